@@ -1,0 +1,125 @@
+"""Configuration of an hf-csa2 converted model.
+
+The config is the source architecture's config, flattened (so ``config.vocab_size``,
+``config.layer_types``, ``config.rope_parameters``... keep working for generation, caches
+and masks), plus two fields of ours:
+
+* ``base_model_type`` -- the transformers ``model_type`` of the source (``"llama"``,
+  ``"qwen2"``, ``"qwen3"``, ``"mistral"``, ``"gemma3_text"``). The modeling code builds that
+  architecture and swaps only the attention modules.
+* ``attention_layers`` -- one spec dict per decoder layer describing its attention, e.g.
+  ``{"kind": "dense", "num_key_value_heads": 1, "sinks": True}``.
+
+This file must import only torch/transformers and its siblings: it is copied next to the
+weights so that ``trust_remote_code=True`` loads a checkpoint without hf_csa2 installed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from transformers import AutoConfig, PreTrainedConfig
+
+SUPPORTED_BASE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+ATTENTION_KINDS = ("dense",)
+
+# Keys of ours or of the serialisation machinery; everything else in the flattened dict
+# belongs to the base architecture's config.
+_OWN_KEYS = frozenset(
+    {
+        "model_type",
+        "base_model_type",
+        "attention_layers",
+        "auto_map",
+        "architectures",
+        "transformers_version",
+        "_name_or_path",
+        "name_or_path",
+        "_attn_implementation_autoset",
+    }
+)
+
+
+def validate_attention_spec(spec: dict[str, Any], layer_idx: int, num_attention_heads: int) -> dict[str, Any]:
+    """Check one per-layer attention spec and return it with defaults filled in.
+
+    Raises ``ValueError`` naming the layer, the field and the allowed values.
+    """
+    if not isinstance(spec, dict):
+        raise ValueError(f"attention_layers[{layer_idx}] must be a mapping, got {type(spec).__name__}")
+    spec = dict(spec)
+    kind = spec.setdefault("kind", "dense")
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention_layers[{layer_idx}].kind={kind!r}; allowed: {', '.join(ATTENTION_KINDS)}")
+    kv_heads = spec.get("num_key_value_heads")
+    if not isinstance(kv_heads, int) or kv_heads < 1 or num_attention_heads % kv_heads:
+        divisors = [d for d in range(1, num_attention_heads + 1) if num_attention_heads % d == 0]
+        raise ValueError(
+            f"attention_layers[{layer_idx}].num_key_value_heads={kv_heads!r} must divide "
+            f"num_attention_heads={num_attention_heads}; allowed: {divisors}"
+        )
+    spec["sinks"] = bool(spec.get("sinks", False))
+    unknown = set(spec) - {"kind", "num_key_value_heads", "sinks"}
+    if unknown:
+        raise ValueError(f"attention_layers[{layer_idx}] has unknown keys {sorted(unknown)}")
+    return spec
+
+
+class Csa2Config(PreTrainedConfig):
+    """Config of :class:`Csa2ForCausalLM`: a flattened source config plus per-layer attention specs."""
+
+    model_type = "hf_csa2"
+    keys_to_ignore_at_inference = ["cache"]
+
+    base_model_type: str = "llama"
+    attention_layers: list | None = None
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.base_model_type not in SUPPORTED_BASE_MODEL_TYPES:
+            raise ValueError(
+                f"base_model_type={self.base_model_type!r} is not supported; "
+                f"allowed: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+            )
+        num_layers = getattr(self, "num_hidden_layers", None)
+        num_heads = getattr(self, "num_attention_heads", None)
+        if self.attention_layers is None and num_layers is not None:
+            kv = getattr(self, "num_key_value_heads", None) or num_heads
+            self.attention_layers = [{"kind": "dense", "num_key_value_heads": kv} for _ in range(num_layers)]
+        if self.attention_layers is not None:
+            if num_layers is not None and len(self.attention_layers) != num_layers:
+                raise ValueError(
+                    f"attention_layers has {len(self.attention_layers)} entries; "
+                    f"num_hidden_layers={num_layers} requires one per layer"
+                )
+            self.attention_layers = [
+                validate_attention_spec(s, i, num_heads) for i, s in enumerate(self.attention_layers)
+            ]
+
+    @classmethod
+    def from_base_config(cls, base_config: PreTrainedConfig, attention_layers: list[dict]) -> "Csa2Config":
+        """Wrap a source config (e.g. ``LlamaConfig``) with per-layer attention specs."""
+        fields = {k: v for k, v in base_config.to_dict().items() if k not in _OWN_KEYS}
+        fields.pop("quantization_config", None)
+        return cls(base_model_type=base_config.model_type, attention_layers=attention_layers, **fields)
+
+    def base_config_dict(self) -> dict[str, Any]:
+        """The flattened fields that belong to the source architecture's config."""
+        return {k: copy.deepcopy(v) for k, v in self.to_dict().items() if k not in _OWN_KEYS}
+
+    def to_base_config(self) -> PreTrainedConfig:
+        """Rebuild the source architecture's config object (e.g. ``LlamaConfig``)."""
+        base = AutoConfig.for_model(self.base_model_type, **self.base_config_dict())
+        base._attn_implementation = self._attn_implementation
+        return base
+
+    @property
+    def uses_only_native_features(self) -> bool:
+        """True when every layer is plain dense attention without sinks and one KV-head count:
+        then the model can be saved in the source's own architecture."""
+        kv = {s["num_key_value_heads"] for s in self.attention_layers}
+        return all(s["kind"] == "dense" and not s["sinks"] for s in self.attention_layers) and len(kv) == 1
+
+
+__all__ = ["Csa2Config", "SUPPORTED_BASE_MODEL_TYPES", "validate_attention_spec"]

@@ -1,0 +1,228 @@
+"""Modeling of hf-csa2 converted checkpoints.
+
+One code path for every supported source architecture: build the source causal LM from
+transformers (Llama, Qwen2, Qwen3, Mistral, Gemma3) and swap each decoder layer's attention
+module for :class:`Csa2Attention`, which adopts the source module's projections and norms
+(same parameter names, so state dicts line up) and adds what the layer spec asks for:
+a different number of KV heads and per-head sink logits.
+
+Self-contained: imports only torch, transformers and sibling files, so ``save_pretrained``
+can copy it next to the weights for ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils.generic import can_return_tuple
+
+from .configuration_hf_csa2 import Csa2Config
+from .sink_attention import eager_sink_attention, sdpa_sink_attention
+
+# A sink this far below any row's logsumexp contributes exp(-1e4) == 0 in fp32: "no sink".
+SINK_OFF = -1.0e4
+SINK_CAPABLE_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE in transformers' half-split layout. q/k [B, H, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Csa2Attention(nn.Module):
+    """Dense softmax attention with a per-layer KV-head count and optional per-head sinks.
+
+    Built from a source attention module (e.g. ``LlamaAttention`` or ``Gemma3Attention``)
+    whose projections/QK-norms it adopts; the forward is the one all supported sources share:
+    project -> (QK-norm) -> RoPE -> cache -> softmax attention (+ sinks) -> o_proj.
+    """
+
+    def __init__(self, source: nn.Module, config: Csa2Config, layer_idx: int, spec: dict):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.spec = dict(spec)
+        self.head_dim = source.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = spec["num_key_value_heads"]
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = source.scaling
+        self.attention_dropout = getattr(source, "attention_dropout", 0.0)
+        self.sliding_window = getattr(source, "sliding_window", None)
+        self.softcap = getattr(source, "attn_logit_softcapping", None)
+        self.is_causal = True
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = source.q_proj, source.k_proj, source.v_proj, source.o_proj
+        self.q_norm = getattr(source, "q_norm", None)
+        self.k_norm = getattr(source, "k_norm", None)
+        if spec["sinks"]:
+            self.sinks = nn.Parameter(torch.full((self.num_heads,), SINK_OFF, dtype=source.q_proj.weight.dtype))
+        else:
+            self.sinks = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, hidden] -> ([B, T, hidden], attention weights or None)."""
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape)  # [B, T, HQ, D]
+        k = self.k_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
+        v = self.v_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+
+        impl = self.config._attn_implementation or "eager"
+        dropout = self.attention_dropout if self.training else 0.0
+        if impl == "eager":
+            out, weights = eager_sink_attention(
+                q, k, v, attention_mask, scaling=self.scaling, sinks=self.sinks,
+                softcap=self.softcap, dropout=dropout, training=self.training,
+            )
+        elif impl == "sdpa" and self.softcap is None:
+            out, weights = sdpa_sink_attention(
+                q, k, v, attention_mask, scaling=self.scaling, sinks=self.sinks,
+                dropout=dropout, training=self.training,
+            )
+        else:
+            if self.sinks is not None or self.softcap is not None:
+                raise ValueError(
+                    f"attn_implementation={impl!r} cannot honour this layer's "
+                    f"{'sink logits' if self.sinks is not None else 'logit soft-capping'}; "
+                    f"allowed: {', '.join(SINK_CAPABLE_IMPLEMENTATIONS)}"
+                )
+            attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
+            out, weights = attention(
+                self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling,
+                sliding_window=self.sliding_window, **kwargs,
+            )
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+
+def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_idx: int, spec: dict) -> Csa2Attention:
+    """Create the layer's attention: a fresh source-architecture module with the spec's KV
+    heads (so biases/norms match the source exactly), wrapped as :class:`Csa2Attention`."""
+    if spec["num_key_value_heads"] != base_config.num_key_value_heads:
+        layer_config = copy.deepcopy(base_config)
+        layer_config.num_key_value_heads = spec["num_key_value_heads"]
+        source = type(source)(layer_config, layer_idx)
+    return Csa2Attention(source, config, layer_idx, spec)
+
+
+class Csa2PreTrainedModel(PreTrainedModel):
+    config_class = Csa2Config
+    config: Csa2Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    # Flash/flex paths in transformers drop sinks on CPU or altogether: refuse them at load.
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _supports_attention_backend = False
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, Csa2Attention) and module.sinks is not None:
+            init.constant_(module.sinks, SINK_OFF)
+
+
+class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
+    """A source causal LM (Llama/Qwen2/Qwen3/Mistral/Gemma3) with rewritten attention layers."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: Csa2Config):
+        super().__init__(config)
+        base_config = config.to_base_config()
+        base_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(base_config)]
+        base = base_cls(base_config)
+        self.model = base.model
+        self.lm_head = base.lm_head
+        self.vocab_size = config.vocab_size
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = build_attention(layer.self_attn, base_config, config, i, config.attention_layers[i])
+        # One config object at run time, so attn_implementation switches reach every module.
+        for module in self.modules():
+            if module is not self and isinstance(getattr(module, "config", None), type(base_config)):
+                module.config = config
+        if hasattr(self.model, "_can_record_outputs"):
+            recorded = dict(self.model._can_record_outputs or {})
+            recorded["attentions"] = Csa2Attention
+            self.model._can_record_outputs = recorded
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Same contract as the source ``*ForCausalLM.forward``: logits [B, T, vocab]."""
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["Csa2Attention", "Csa2ForCausalLM", "Csa2PreTrainedModel", "SINK_OFF"]
