@@ -72,6 +72,19 @@ class Csa2Attention(nn.Module):
         else:
             self.sinks = None
 
+    def project(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
+        """hidden_states [B, T, hidden] -> q [B, HQ, T, D], k/v [B, H, T, D] (RoPE applied)."""
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape)  # [B, T, HQ, D]
+        k = self.k_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
+        v = self.v_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, k, cos, sin)
+        return q, k, v
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -84,15 +97,7 @@ class Csa2Attention(nn.Module):
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape)  # [B, T, HQ, D]
-        k = self.k_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
-        v = self.v_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k, v = self.project(hidden_states, position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
 

@@ -43,7 +43,7 @@ def allowed_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int, d
     return mask[..., :kv_len]
 
 
-def _expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+def expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     """[B, H, S, D] -> [B, HQ, S, D], head r of the result is KV head r // (HQ/H)."""
     groups = num_q_heads // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -61,22 +61,23 @@ def eager_sink_attention(
     dropout: float = 0.0,
     training: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention with optional sinks, computed in fp32.
+    """Reference attention with optional sinks, computed in fp32 (fp64 inputs stay fp64).
 
     Returns ``(out [B, T, HQ, D], weights [B, HQ, T, S])`` where weights are the real-token
     weights (they sum to ``Z / (Z + exp(s))`` per row when sinks are present).
     """
     b, hq, t, _ = query.shape
     s = key.shape[2]
-    k = _expand_kv(key, hq).float()
-    v = _expand_kv(value, hq).float()
-    logits = torch.matmul(query.float(), k.transpose(-1, -2)) * scaling  # [B, HQ, T, S]
+    dtype = torch.promote_types(query.dtype, torch.float32)  # fp32 at least; fp64 stays fp64
+    k = expand_kv(key, hq).to(dtype)
+    v = expand_kv(value, hq).to(dtype)
+    logits = torch.matmul(query.to(dtype), k.transpose(-1, -2)) * scaling  # [B, HQ, T, S]
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     allowed = allowed_mask(attention_mask, t, s, query.device)
     logits = logits.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
-        sink_col = sinks.float().view(1, hq, 1, 1).expand(b, hq, t, 1)
+        sink_col = sinks.to(dtype).view(1, hq, 1, 1).expand(b, hq, t, 1)
         logits = torch.cat([logits, sink_col], dim=-1)  # the sink is one more softmax slot
     row_max = logits.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty rows
@@ -110,8 +111,8 @@ def sdpa_sink_attention(
     """
     b, hq, t, d = query.shape
     s = key.shape[2]
-    k = _expand_kv(key, hq)
-    v = _expand_kv(value, hq)
+    k = expand_kv(key, hq)
+    v = expand_kv(value, hq)
     if sinks is None:
         mask = None if attention_mask is None else allowed_mask(attention_mask, t, s, query.device)
         out = F.scaled_dot_product_attention(
@@ -137,4 +138,4 @@ def sdpa_sink_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-__all__ = ["eager_sink_attention", "sdpa_sink_attention", "allowed_mask"]
+__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "sdpa_sink_attention"]

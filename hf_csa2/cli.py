@@ -1,0 +1,147 @@
+"""The ``hf-csa2`` command line: one tool, subcommands.
+
+    hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] --out DIR
+    hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
+    hf-csa2 inspect MODEL [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .surgery.plan import GQA_INITS, PlanError
+
+EXIT_USAGE = 2
+
+
+def _convert(args) -> int:
+    from .surgery.pipeline import convert, format_report_table
+    from .surgery.plan import CalibrationPlan, ConversionPlan, GqaPlan, SinksPlan
+
+    if args.plan and (args.to or args.kv_heads is not None):
+        raise PlanError("give either --plan or --to/--kv-heads, not both")
+    if args.plan:
+        plan = ConversionPlan.from_yaml(args.plan)
+        if args.sinks and plan.sinks is None:
+            plan.sinks = SinksPlan()
+    else:
+        if args.to is None and not args.sinks:
+            raise PlanError("nothing to do: give --plan YAML, --to gqa --kv-heads N, or --sinks")
+        if args.to == "gqa" and args.kv_heads is None:
+            raise PlanError("--to gqa needs --kv-heads N (N must divide the number of query heads)")
+        gqa = GqaPlan(num_key_value_heads=args.kv_heads, init=args.init) if args.to == "gqa" else None
+        plan = ConversionPlan(gqa=gqa, sinks=SinksPlan() if args.sinks else None)
+    if args.calib_text or args.calib_tokens:
+        cal = plan.calibration
+        plan.calibration = CalibrationPlan(
+            text=args.calib_text or cal.text, num_tokens=args.calib_tokens or cal.num_tokens,
+            seq_len=cal.seq_len, eval_windows=cal.eval_windows,
+        )
+    plan.validate()
+    result = convert(args.source, plan, out_dir=args.out, overwrite=args.overwrite, log=_log)
+    print(format_report_table(result.report))
+    return 0
+
+
+def _eval_ppl(args) -> int:
+    from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
+    from .surgery.sources import load_source
+
+    entries = [(name, (lambda n=name: load_source(n))) for name in args.models]
+    results = compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows, batch_size=args.batch_size)
+    print(format_ppl_table(results))
+    if args.json:
+        write_ppl_json(results, args.json)
+    return 0
+
+
+def _inspect(args) -> int:
+    from .evals.kv_cache import config_kv_elements_per_token, layer_attention_specs, measure_kv_elements_per_token
+    from .surgery.sources import load_source
+
+    loaded = load_source(args.model)
+    cfg = loaded.model.config
+    layers = layer_attention_specs(cfg)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for spec in layers:
+        spec["kv_elements_per_token"] = 2 * spec["num_key_value_heads"] * head_dim
+    info = {
+        "model": args.model,
+        "architecture": type(loaded.model).__name__,
+        "base_model_type": getattr(cfg, "base_model_type", cfg.model_type),
+        "num_attention_heads": cfg.num_attention_heads,
+        "head_dim": head_dim,
+        "layers": layers,
+        "kv_elements_per_token_config": config_kv_elements_per_token(cfg),
+        "kv_elements_per_token_measured": measure_kv_elements_per_token(loaded.model, num_tokens=args.tokens),
+        "measured_with_tokens": args.tokens,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['model']}: {info['architecture']} ({info['base_model_type']}), {cfg.num_attention_heads} query heads, head_dim {head_dim}")
+    print("| layer | kind | kv heads | sinks | window | KV elements/token |")
+    print("|---:|---|---:|---|---:|---:|")
+    for i, s in enumerate(layers):
+        print(f"| {i} | {s['kind']} | {s['num_key_value_heads']} | {s.get('sinks', False)} | {s['window'] or '-'} | {s['kv_elements_per_token']} |")
+    print(f"KV elements per token: config {info['kv_elements_per_token_config']}, "
+          f"measured from the live cache after a {args.tokens}-token prefill {info['kv_elements_per_token_measured']:.0f}")
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-csa2", description="Attention surgery for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("convert", help="convert a checkpoint following a plan")
+    p.add_argument("source", help="Hub model ID (local cache), local folder, .gguf file, or alias (smollm2-135m, gemma3-270m)")
+    p.add_argument("--plan", help="plan YAML (see conversion/)")
+    p.add_argument("--to", choices=["gqa"], help="shortcut: the surgery target")
+    p.add_argument("--kv-heads", type=int, help="with --to gqa: KV heads per layer (1 = MQA); must divide the query heads")
+    p.add_argument("--init", choices=GQA_INITS, default="calibrated", help="with --to gqa: how merged KV heads are initialised")
+    p.add_argument("--sinks", action="store_true", help="add per-head learnable sink logits (output unchanged at init)")
+    p.add_argument("--calib-text", help="calibration text: file, folder, or python-docs:calib (default)")
+    p.add_argument("--calib-tokens", type=int, help="calibration tokens (default from the plan)")
+    p.add_argument("--out", required=True, help="output folder (HF checkpoint)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.set_defaults(func=_convert)
+
+    ev = sub.add_parser("eval", help="evaluate models").add_subparsers(dest="eval_command", required=True)
+    p = ev.add_parser("ppl", help="perplexity on identical token windows for every model")
+    p.add_argument("models", nargs="+", help="models (folders, sources or aliases); ratios are to the first")
+    p.add_argument("--text", required=True, help="text file or folder, or python-docs:heldout / python-docs:calib")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--json", help="write results JSON here")
+    p.set_defaults(func=_eval_ppl)
+
+    p = sub.add_parser("inspect", help="per-layer attention kinds and measured KV-cache size")
+    p.add_argument("model")
+    p.add_argument("--tokens", type=int, default=16, help="prefill length for the live-cache measurement")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .data.corpus import CorpusError
+    from .surgery.pipeline import OutputExistsError
+    from .surgery.sources import SourceError
+
+    try:
+        return args.func(args)
+    except (PlanError, SourceError, OutputExistsError, CorpusError) as err:
+        print(f"hf-csa2: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

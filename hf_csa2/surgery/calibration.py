@@ -1,0 +1,59 @@
+"""Calibration statistics gathered from the source model on real text.
+
+Everything the inits need is a second moment of a layer's attention input, so one pass
+over the calibration windows suffices: ``E[x~ x~^T]`` with ``x~ = [x, 1]`` (the constant
+coordinate carries projection biases through the same algebra).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a supported causal LM (``model.model.layers``)."""
+    return model.model.layers
+
+
+@torch.no_grad()
+def attention_input_moments(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
+    """Per-layer second moments of the attention input, augmented with a constant 1.
+
+    Args:
+        model: a causal LM whose layers call ``self_attn(hidden_states=...)``.
+        windows: token ids [N, T].
+    Returns:
+        one float64 tensor [d+1, d+1] per decoder layer: ``mean over tokens of x~ x~^T``.
+    """
+    layers = decoder_layers(model)
+    d = model.config.hidden_size
+    sums = [torch.zeros(d + 1, d + 1, dtype=torch.float64) for _ in layers]
+    counts = [0 for _ in layers]
+    handles = []
+
+    def make_hook(i):
+        def hook(module, args, kwargs):
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            x = x.reshape(-1, x.shape[-1]).double()
+            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)  # [N, d+1]
+            sums[i] += x.T @ x
+            counts[i] += x.shape[0]
+
+        return hook
+
+    for i, layer in enumerate(layers):
+        handles.append(layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True))
+    try:
+        was_training = model.training
+        model.eval()
+        for start in range(0, windows.shape[0], batch_size):
+            model(input_ids=windows[start : start + batch_size], use_cache=False)
+        model.train(was_training)
+    finally:
+        for h in handles:
+            h.remove()
+    return [s / max(c, 1) for s, c in zip(sums, counts)]
+
+
+__all__ = ["attention_input_moments", "decoder_layers"]

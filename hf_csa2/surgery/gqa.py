@@ -1,0 +1,223 @@
+"""GQA/MQA surgery: merge KV heads so ``h_q`` query heads share ``h_kv`` KV heads.
+
+Query head ``r`` reads KV head ``r // (h_q / h_kv)`` (seed 004 §GQA). Two inits:
+
+* ``mean`` -- Ainslie et al. (2023): each new KV head is the mean of the old KV heads its
+  query heads used (weighted by how many of them used each); Q and O are untouched.
+* ``calibrated`` -- a calibration-aware merge that is exact when nothing is merged and is
+  optimal for a weighted reconstruction objective on calibration activations:
+
+  - Keys, RoPE-aware: RoPE rotates each frequency pair ``f`` as a complex number, so the
+    only per-head maps that commute with it are complex scalars. For each new head and each
+    pair, the old heads' keys ``k_j^f`` (weighted by the energy ``w_j^f`` of the queries that
+    read them) are approximated as ``c_j^f k'^f`` with one shared ``k'^f``: the top
+    eigenvector of their Hermitian second moment (a per-frequency complex PCA). ``conj(c_j)``
+    is folded into those heads' query rows, so scores ``Re(q conj(k))`` are preserved up to
+    the discarded components. Sources with QK-norm (Qwen3, Gemma3) normalise keys after the
+    projection, which no linear fold survives; their keys use the mean merge.
+  - Values: the old heads' values, weighted by the output projection that reads them
+    (``L_j^T L_j = sum_r W_O,r^T W_O,r``), are compressed to one ``D``-dim value by PCA on
+    calibration activations; the per-head reconstruction ``L_j^{-1} U_j`` is folded into
+    ``W_O``.
+
+All maths runs in float64 on weight matrices and the input second moment ``E[x~ x~^T]``
+(``x~ = [x, 1]`` so biases are handled by the same algebra).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .calibration import decoder_layers
+from .rebuild import is_csa2, load_matching, native_specs, to_csa2
+
+
+@dataclass
+class AttentionWeights:
+    """Projection weights of one attention layer; biases are None when absent.
+
+    q_w [HQ*D, d], k_w/v_w [H*D, d], o_w [d, HQ*D]; o's bias never changes.
+    """
+
+    q_w: torch.Tensor
+    k_w: torch.Tensor
+    v_w: torch.Tensor
+    o_w: torch.Tensor
+    q_b: torch.Tensor | None = None
+    k_b: torch.Tensor | None = None
+    v_b: torch.Tensor | None = None
+
+    @classmethod
+    def from_module(cls, attn) -> "AttentionWeights":
+        def bias(lin):
+            return None if lin.bias is None else lin.bias.detach()
+
+        return cls(
+            attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach(),
+            attn.o_proj.weight.detach(), bias(attn.q_proj), bias(attn.k_proj), bias(attn.v_proj),
+        )
+
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {f"{prefix}q_proj.weight": self.q_w, f"{prefix}k_proj.weight": self.k_w,
+               f"{prefix}v_proj.weight": self.v_w, f"{prefix}o_proj.weight": self.o_w}
+        for name in ("q", "k", "v"):
+            b = getattr(self, f"{name}_b")
+            if b is not None:
+                out[f"{prefix}{name}_proj.bias"] = b
+        return out
+
+
+def _augment(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """[rows, d] weight + bias -> [rows, d+1] in float64 (bias as the last column)."""
+    b = torch.zeros(w.shape[0], dtype=torch.float64) if b is None else b.double()
+    return torch.cat([w.double(), b[:, None]], dim=1)
+
+
+def _split(aug: torch.Tensor, like_w: torch.Tensor, like_b: torch.Tensor | None):
+    w = aug[:, :-1].to(like_w.dtype).contiguous()
+    b = None if like_b is None else aug[:, -1].to(like_b.dtype).contiguous()
+    return w, b
+
+
+def head_groups(num_q: int, old_kv: int, new_kv: int) -> list[list[tuple[int, int]]]:
+    """For each new KV head, the (query head, old KV head) pairs it will serve."""
+    old_g, new_g = num_q // old_kv, num_q // new_kv
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(new_kv)]
+    for r in range(num_q):
+        groups[r // new_g].append((r, r // old_g))
+    return groups
+
+
+def merge_kv_heads(
+    weights: AttentionWeights,
+    *,
+    num_q_heads: int,
+    old_kv_heads: int,
+    new_kv_heads: int,
+    head_dim: int,
+    method: str,
+    moment: torch.Tensor | None = None,
+    rope_aware_keys: bool = True,
+) -> AttentionWeights:
+    """Return the weights of the same layer with ``new_kv_heads`` KV heads.
+
+    Args:
+        weights: the layer's projections (see :class:`AttentionWeights` for shapes).
+        method: ``"mean"`` or ``"calibrated"`` (needs ``moment``).
+        moment: float64 [d+1, d+1] second moment of the augmented attention input.
+        rope_aware_keys: False for QK-norm sources (keys then use the mean merge).
+    """
+    if num_q_heads % new_kv_heads or num_q_heads % old_kv_heads:
+        raise ValueError(f"new_kv_heads={new_kv_heads} must divide num_q_heads={num_q_heads}")
+    if method == "calibrated" and moment is None:
+        raise ValueError("method='calibrated' needs calibration moments")
+    D = head_dim
+    q = _augment(weights.q_w, weights.q_b).view(num_q_heads, D, -1)  # [HQ, D, d+1]
+    k = _augment(weights.k_w, weights.k_b).view(old_kv_heads, D, -1)  # [H, D, d+1]
+    v = _augment(weights.v_w, weights.v_b).view(old_kv_heads, D, -1)  # [H, D, d+1]
+    o = weights.o_w.double().view(weights.o_w.shape[0], num_q_heads, D).clone()  # [d, HQ, D]
+    new_q = q.clone()
+    new_k, new_v = [], []
+    for members in head_groups(num_q_heads, old_kv_heads, new_kv_heads):
+        old_heads = sorted({j for _, j in members})
+        if method == "mean" or (method == "calibrated" and not rope_aware_keys):
+            counts = torch.tensor([sum(1 for _, j in members if j == h) for h in old_heads], dtype=torch.float64)
+            new_k.append((k[old_heads] * counts[:, None, None]).sum(0) / counts.sum())
+        else:
+            new_k.append(_rope_aware_key_merge(q, k, members, old_heads, moment, new_q))
+        if method == "mean":
+            counts = torch.tensor([sum(1 for _, j in members if j == h) for h in old_heads], dtype=torch.float64)
+            new_v.append((v[old_heads] * counts[:, None, None]).sum(0) / counts.sum())
+        else:
+            new_v.append(_value_pca_merge(v, o, members, old_heads, moment))
+    q_w, q_b = _split(new_q.reshape(num_q_heads * D, -1), weights.q_w, weights.q_b)
+    k_w, k_b = _split(torch.stack(new_k).reshape(new_kv_heads * D, -1), weights.k_w, weights.k_b)
+    v_w, v_b = _split(torch.stack(new_v).reshape(new_kv_heads * D, -1), weights.v_w, weights.v_b)
+    o_w = o.reshape(weights.o_w.shape).to(weights.o_w.dtype).contiguous()
+    return AttentionWeights(q_w, k_w, v_w, o_w, q_b, k_b, v_b)
+
+
+def _to_complex(rows: torch.Tensor) -> torch.Tensor:
+    """[..., D, d+1] real rows in half-split RoPE layout -> [..., D/2, d+1] complex rows."""
+    half = rows.shape[-2] // 2
+    return torch.complex(rows[..., :half, :], rows[..., half:, :])
+
+
+def _from_complex(rows: torch.Tensor) -> torch.Tensor:
+    return torch.cat([rows.real, rows.imag], dim=-2)
+
+
+def _rope_aware_key_merge(q, k, members, old_heads, moment, new_q) -> torch.Tensor:
+    """Shared key for one new head by per-frequency complex PCA; folds conj(c_j) into new_q."""
+    sigma = moment.to(torch.complex128)
+    a = _to_complex(k[old_heads])  # [J, F, d+1]
+    # Energy of the queries reading each old head, per frequency pair: E|q^f|^2.
+    energy = torch.zeros(a.shape[0], a.shape[1], dtype=torch.float64)
+    for r, j in members:
+        qc = _to_complex(q[r])  # [F, d+1]
+        energy[old_heads.index(j)] += ((qc @ sigma) * qc.conj()).sum(-1).real
+    w = energy.clamp_min(1e-12).sqrt()  # [J, F]
+    y = (w[..., None] * a).permute(1, 0, 2)  # [F, J, d+1]
+    cov = y @ sigma @ y.conj().transpose(-1, -2)  # [F, J, J] Hermitian
+    _, vecs = torch.linalg.eigh(cov)
+    u = vecs[..., -1]  # [F, J] top eigenvector per frequency
+    shared = (u.conj()[..., None] * y).sum(1)  # [F, d+1]: k'^f = sum_j conj(u_j) w_j k_j^f
+    scale = (u / w.T).T  # [J, F]: k_j^f ~= c_j^f k'^f with c = u / w
+    for r, j in members:
+        qc = _to_complex(q[r]) * scale[old_heads.index(j)].conj()[:, None]
+        new_q[r] = _from_complex(qc)
+    return _from_complex(shared)
+
+
+def _value_pca_merge(v, o, members, old_heads, moment) -> torch.Tensor:
+    """Shared value for one new head by O-weighted PCA; folds the reconstruction into o (in place)."""
+    D = v.shape[1]
+    chol_t, blocks = [], []
+    for h in old_heads:
+        readers = [r for r, j in members if j == h]
+        gram = sum(o[:, r, :].T @ o[:, r, :] for r in readers)  # [D, D]
+        gram = gram + 1e-8 * (gram.diagonal().mean() + 1e-12) * torch.eye(D, dtype=torch.float64)
+        upper = torch.linalg.cholesky(gram).T  # gram = upper^T upper
+        chol_t.append(upper)
+        blocks.append(upper @ v[h])  # [D, d+1]
+    y = torch.cat(blocks)  # [J*D, d+1]
+    cov = y @ moment @ y.T
+    _, vecs = torch.linalg.eigh(cov)
+    basis = vecs[:, -D:]  # [J*D, D] top-D principal directions
+    for idx, h in enumerate(old_heads):
+        recon = torch.linalg.solve_triangular(chol_t[idx], basis[idx * D : (idx + 1) * D], upper=True)  # [D, D]
+        for r, j in members:
+            if j == h:
+                o[:, r, :] = o[:, r, :] @ recon
+    return basis.T @ y  # [D, d+1]
+
+
+def has_qk_norm(model) -> bool:
+    return getattr(decoder_layers(model)[0].self_attn, "q_norm", None) is not None
+
+
+def apply_gqa(model, num_key_value_heads: int, init: str = "calibrated", moments: list | None = None):
+    """Return a copy of ``model`` (native or hf_csa2) whose layers all have
+    ``num_key_value_heads`` KV heads; ``moments`` (one [d+1, d+1] per layer, see
+    :func:`~hf_csa2.surgery.calibration.attention_input_moments`) are needed for ``calibrated``."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    specs = [dict(s) for s in (cfg.attention_layers if is_csa2(model) else native_specs(cfg))]
+    rope_aware = not has_qk_norm(model)
+    state = dict(model.state_dict())
+    for i, layer in enumerate(decoder_layers(model)):
+        merged = merge_kv_heads(
+            AttentionWeights.from_module(layer.self_attn),
+            num_q_heads=cfg.num_attention_heads, old_kv_heads=specs[i]["num_key_value_heads"],
+            new_kv_heads=num_key_value_heads, head_dim=head_dim, method=init,
+            moment=None if moments is None else moments[i], rope_aware_keys=rope_aware,
+        )
+        state.update(merged.state_dict(f"model.layers.{i}.self_attn."))
+        specs[i]["num_key_value_heads"] = num_key_value_heads
+    new = to_csa2(model, specs, state=state)
+    return new
+
+
+__all__ = ["AttentionWeights", "apply_gqa", "has_qk_norm", "head_groups", "merge_kv_heads"]

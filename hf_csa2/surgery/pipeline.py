@@ -1,0 +1,240 @@
+"""The staged conversion pipeline.
+
+``convert(source, plan)`` validates everything it can before loading weights, then runs the
+plan's stages in order. Each stage is a function ``(model, plan, calib) -> (model, notes)``;
+after each one the pipeline scores the model on held calibration windows and measures the
+KV-cache elements per token from a live cache, giving the stage report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import AutoConfig, PreTrainedModel
+
+from ..data.corpus import resolve_text
+from ..evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
+from ..evals.ppl import mean_nll, token_windows
+from ..model import SUPPORTED_BASE_MODEL_TYPES
+from .calibration import attention_input_moments
+from .gqa import apply_gqa, has_qk_norm
+from .plan import ConversionPlan, PlanError
+from .rebuild import is_csa2, to_native
+from .sinks import add_sinks, calibrate_sinks
+from .sources import SourceError, load_source, resolve_source
+
+
+class OutputExistsError(FileExistsError):
+    """The output folder exists and ``overwrite`` was not given."""
+
+
+@dataclass
+class StageReport:
+    stage: str
+    calib_ppl: float
+    kv_elements_per_token: float
+    kv_elements_per_token_config: int
+    seconds: float
+    notes: dict = field(default_factory=dict)
+
+
+@dataclass
+class Calibration:
+    """Calibration token windows: ``fit`` [N, T] for statistics, ``score`` [M, T] for reports."""
+
+    fit: torch.Tensor
+    score: torch.Tensor
+    _moments: list | None = None
+
+    def moments(self, model) -> list[torch.Tensor]:
+        """Per-layer attention-input second moments of the SOURCE model (computed once)."""
+        if self._moments is None:
+            self._moments = attention_input_moments(model, self.fit)
+        return self._moments
+
+
+@dataclass
+class ConversionResult:
+    model: PreTrainedModel
+    tokenizer: object
+    plan: ConversionPlan
+    source: str
+    report: list[StageReport]
+
+    def report_dict(self) -> dict:
+        return {"source": self.source, "plan": self.plan.to_dict(), "stages": [asdict(r) for r in self.report]}
+
+    def save(self, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Write an HF checkpoint (+ tokenizer, conversion_report.json, the plan) atomically."""
+        return save_checkpoint(self.model, self.tokenizer, out_dir, overwrite=overwrite,
+                               extra_files={"conversion_report.json": json.dumps(self.report_dict(), indent=2),
+                                            "hf_csa2_plan.yaml": self.plan.to_yaml()})
+
+
+# -- stages -----------------------------------------------------------------------------
+
+def gqa_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
+    """Merge KV heads of every layer to ``plan.gqa.num_key_value_heads``."""
+    moments = calib.moments(source_model) if plan.gqa.init == "calibrated" else None
+    new = apply_gqa(model, plan.gqa.num_key_value_heads, plan.gqa.init, moments)
+    notes = {"init": plan.gqa.init}
+    if plan.gqa.init == "calibrated" and has_qk_norm(model):
+        notes["keys"] = "QK-norm source: keys merged by mean (a linear RoPE-aware fold cannot pass the norm); values by O-weighted PCA"
+    return new, notes
+
+
+def sinks_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
+    """Add one sink logit per query head, initialised so the outputs do not change."""
+    new = add_sinks(model)
+    notes = {"init": plan.sinks.init}
+    if plan.sinks.init == "calibrated":
+        notes.update(calibrate_sinks(new, calib.fit[:4], plan.sinks.margin))
+    return new, notes
+
+
+STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("sinks", sinks_stage)]
+
+
+# -- driver -----------------------------------------------------------------------------
+
+def as_plan(plan) -> ConversionPlan:
+    if plan is None:
+        return ConversionPlan()
+    if isinstance(plan, ConversionPlan):
+        return plan
+    if isinstance(plan, dict):
+        return ConversionPlan.from_dict(plan)
+    if isinstance(plan, (str, os.PathLike)):
+        return ConversionPlan.from_yaml(plan)
+    raise PlanError(f"plan must be a ConversionPlan, a dict or a YAML path, got {type(plan).__name__}")
+
+
+def peek_config(kind: str, path: Path):
+    """The source's config without loading its weights."""
+    if kind in ("gguf", "alias"):
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoConfig.from_pretrained(path)
+
+
+def check_output_dir(out_dir: str | os.PathLike, overwrite: bool) -> Path:
+    out = Path(out_dir).expanduser()
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"output folder {str(out)!r} exists; pass --overwrite (overwrite=True) to replace it")
+    if out.exists() and not out.is_dir():
+        raise OutputExistsError(f"output path {str(out)!r} exists and is not a folder")
+    return out
+
+
+def _stage_report(name: str, model, calib: Calibration, started: float, notes: dict) -> StageReport:
+    ppl = mean_nll(model, calib.score)["ppl"] if calib.score.shape[0] else float("nan")
+    return StageReport(
+        stage=name, calib_ppl=ppl, kv_elements_per_token=measure_kv_elements_per_token(model),
+        kv_elements_per_token_config=config_kv_elements_per_token(model.config),
+        seconds=round(time.perf_counter() - started, 2), notes=notes,
+    )
+
+
+def convert(
+    source: str,
+    plan: ConversionPlan | dict | str | None = None,
+    *,
+    out_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
+) -> ConversionResult:
+    """Convert ``source`` following ``plan``; save to ``out_dir`` when given.
+
+    All input checks (plan fields, source existence and architecture, KV heads dividing the
+    query heads, output folder) run before any weights are loaded.
+    """
+    plan = as_plan(plan)
+    if out_dir is not None:
+        check_output_dir(out_dir, overwrite)
+    kind, path = resolve_source(source)
+    config = peek_config(kind, path)
+    if config.model_type not in SUPPORTED_BASE_MODEL_TYPES:
+        raise SourceError(
+            f"{source!r} is a {config.model_type!r} model; supported architectures: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+        )
+    plan.validate_for(config)
+    text_path = resolve_text(plan.calibration.text)
+
+    t0 = time.perf_counter()
+    loaded = load_source(source, dtype=getattr(torch, plan.dtype))
+    model = loaded.model.eval()
+    model.config._attn_implementation = model.config._attn_implementation or "sdpa"
+    cal = plan.calibration
+    windows = token_windows(loaded.tokenizer, text_path, cal.seq_len, cal.num_tokens // cal.seq_len + cal.eval_windows)
+    if windows.shape[0] <= cal.eval_windows:
+        raise PlanError(f"calibration text {str(text_path)!r} gives only {windows.shape[0]} windows of {cal.seq_len} tokens")
+    calib = Calibration(fit=windows[cal.eval_windows :], score=windows[: cal.eval_windows])
+    log(f"loaded {source} ({kind}) in {time.perf_counter() - t0:.1f}s; calibration: {calib.fit.shape[0]}x{cal.seq_len} tokens")
+
+    report = [_stage_report("source", model, calib, t0, {"kind": kind, "model_type": config.model_type})]
+    log(format_stage(report[-1]))
+    source_model = model
+    for name, stage in STAGES:
+        if getattr(plan, name) is None:
+            continue
+        t = time.perf_counter()
+        model, notes = stage(model, plan, calib, source_model)
+        report.append(_stage_report(name, model, calib, t, notes))
+        log(format_stage(report[-1]))
+    if is_csa2(model) and model.config.uses_only_native_features:
+        model = to_native(model)  # e.g. a plain Llama with fewer KV heads: no remote code needed
+    result = ConversionResult(model=model, tokenizer=loaded.tokenizer, plan=plan, source=source, report=report)
+    if out_dir is not None:
+        result.save(out_dir, overwrite=overwrite)
+        log(f"saved {out_dir}")
+    return result
+
+
+def format_stage(r: StageReport) -> str:
+    return (f"[stage {r.stage:>6}] calib ppl {r.calib_ppl:8.3f} | KV elements/token {r.kv_elements_per_token:8.0f} "
+            f"(config {r.kv_elements_per_token_config}) | {r.seconds:6.1f}s | {r.notes}")
+
+
+def format_report_table(report: list[StageReport]) -> str:
+    """Markdown table of the stage report (ppl ratios to the source stage)."""
+    base = report[0].calib_ppl
+    lines = ["| stage | calib ppl | ratio | KV elements/token |", "|---|---:|---:|---:|"]
+    for r in report:
+        lines.append(f"| {r.stage} | {r.calib_ppl:.3f} | {r.calib_ppl / base:.3f} | {r.kv_elements_per_token:.0f} |")
+    return "\n".join(lines)
+
+
+def save_checkpoint(model, tokenizer, out_dir, *, overwrite: bool = False, extra_files: dict | None = None) -> Path:
+    """Save into a temp folder beside ``out_dir`` and rename it into place, so a failure never
+    leaves a half-written checkpoint and an existing one is replaced only on success."""
+    out = check_output_dir(out_dir, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+__all__ = ["ConversionResult", "OutputExistsError", "StageReport", "convert", "save_checkpoint", "to_csa2", "to_native"]

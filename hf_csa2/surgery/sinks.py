@@ -1,0 +1,81 @@
+"""Sink-logit surgery: give every query head a learnable sink logit ``s_h`` (seed 004 §1).
+
+The real-token weights become ``exp(z_j) / (exp(s_h) + Z)``; the output is the dense output
+times ``g = sigmoid(logsumexp(z) - s_h)``. A converted model must first behave exactly like
+its source, so ``s_h`` starts far below every logsumexp seen on calibration text:
+``s_h = min lse_h - margin`` gives ``g >= 1 - exp(-margin)`` there (``margin=20``: a relative
+change of at most 2e-9), while keeping ``exp(s_h)`` a normal float so gradients reach ``s_h``
+(``-1e4`` would underflow to an exactly zero gradient and freeze the sink forever).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.modeling_hf_csa2 import SINK_OFF, Csa2Attention
+from ..model.sink_attention import allowed_mask, expand_kv
+from .rebuild import is_csa2, native_specs, to_csa2
+
+
+def add_sinks(model):
+    """Return a copy of ``model`` with a sink logit per query head in every layer, set to
+    ``SINK_OFF`` (outputs unchanged); see :func:`calibrate_sinks` for a trainable start."""
+    specs = [dict(s) for s in (model.config.attention_layers if is_csa2(model) else native_specs(model.config))]
+    for spec in specs:
+        spec["sinks"] = True
+    return to_csa2(model, specs)
+
+
+@torch.no_grad()
+def min_logsumexp_per_head(model, windows: torch.Tensor, batch_size: int = 2) -> dict[int, torch.Tensor]:
+    """Smallest per-head logsumexp of the real-token logits over all calibration queries.
+
+    Args:
+        model: a ``Csa2ForCausalLM``.
+        windows: token ids [N, T].
+    Returns:
+        ``{layer_idx: tensor [HQ]}`` (float64).
+    """
+    found: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def hook(module: Csa2Attention, args, kwargs, _output):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        q, k, _ = module.project(hidden, kwargs["position_embeddings"])
+        t = q.shape[2]
+        logits = torch.matmul(q.double(), expand_kv(k, q.shape[1]).double().transpose(-1, -2)) * module.scaling
+        if module.softcap is not None:
+            logits = module.softcap * torch.tanh(logits / module.softcap)
+        logits = logits.masked_fill(~allowed_mask(kwargs.get("attention_mask"), t, t, q.device), float("-inf"))
+        lse = torch.logsumexp(logits, dim=-1)  # [B, HQ, T]
+        lse = lse.masked_fill(~torch.isfinite(lse), float("inf")).amin(dim=(0, 2))  # [HQ]
+        prev = found.get(module.layer_idx)
+        found[module.layer_idx] = lse if prev is None else torch.minimum(prev, lse)
+
+    for module in model.modules():
+        if isinstance(module, Csa2Attention):
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        for start in range(0, windows.shape[0], batch_size):
+            model(input_ids=windows[start : start + batch_size], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+@torch.no_grad()
+def calibrate_sinks(model, windows: torch.Tensor, margin: float = 20.0) -> dict[str, float]:
+    """Set every sink to ``min_lse - margin`` (see module doc). Returns summary numbers."""
+    lse = min_logsumexp_per_head(model, windows)
+    values = []
+    for module in model.modules():
+        if isinstance(module, Csa2Attention) and module.sinks is not None:
+            target = lse[module.layer_idx] - margin
+            module.sinks.copy_(target.clamp_min(SINK_OFF).to(module.sinks.dtype))
+            values.append(module.sinks.detach().double())
+    allv = torch.cat(values) if values else torch.zeros(1)
+    return {"sink_min": allv.min().item(), "sink_max": allv.max().item(), "margin": margin}
+
+
+__all__ = ["add_sinks", "calibrate_sinks", "min_logsumexp_per_head"]

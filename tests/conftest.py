@@ -1,0 +1,20 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (dequantised from its GGUF), loaded once."""
+    from hf_csa2.surgery.sources import SourceError, load_source
+
+    try:
+        return load_source("smollm2-135m")
+    except SourceError as err:
+        pytest.skip(f"SmolLM2 checkpoint unavailable (offline?): {err}")

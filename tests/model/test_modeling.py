@@ -1,0 +1,201 @@
+"""Csa2ForCausalLM on tiny configs of every supported architecture."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_csa2  # noqa: F401  (registers the Auto classes)
+from hf_csa2.model import Csa2ForCausalLM
+from hf_csa2.surgery.gqa import apply_gqa
+from hf_csa2.surgery.sinks import add_sinks
+from tiny_models import ARCHS, VOCAB, tiny_model
+
+
+def with_sinks(model, values=None, kv_heads=None):
+    if kv_heads is not None:
+        model = apply_gqa(model, kv_heads, init="mean")
+    new = add_sinks(model)
+    if values is not None:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for layer in new.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=g) + values)
+    return new
+
+
+def ids(batch=2, length=13, seed=0):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_sinks_off_reproduce_source(arch, impl):
+    src = tiny_model(arch)
+    model = with_sinks(src)
+    src.set_attn_implementation(impl)
+    model.set_attn_implementation(impl)
+    x = ids()
+    torch.testing.assert_close(model(x).logits, src(x).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eager_and_sdpa_agree_with_active_sinks(arch):
+    model = with_sinks(tiny_model(arch), values=0.0)
+    x = ids()
+    model.set_attn_implementation("eager")
+    a = model(x).logits
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(model(x).logits, a, atol=1e-5, rtol=1e-5)
+    # and the sinks really act: the output differs from the sink-free source
+    assert (a - tiny_model(arch)(x).logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_and_native_reload(arch, tmp_path):
+    model = with_sinks(tiny_model(arch), values=-1.0)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "hf_csa2" and config["base_model_type"] == arch
+    assert "AutoModelForCausalLM" in config["auto_map"]
+    assert (tmp_path / "modeling_hf_csa2.py").exists() and (tmp_path / "sink_attention.py").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert isinstance(loaded, Csa2ForCausalLM)
+    x = ids()
+    torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_prefill_then_decode_equals_full_forward(arch, impl):
+    model = with_sinks(tiny_model(arch), values=0.0, kv_heads=1)
+    model.set_attn_implementation(impl)
+    x = ids(length=16)
+    full = model(x).logits
+    out = model(x[:, :9], use_cache=True)
+    steps = [out.logits]
+    cache = out.cache
+    for t in range(9, 16):
+        out = model(x[:, t : t + 1], cache=cache, use_cache=True)
+        cache = out.cache
+        steps.append(out.logits)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_left_padded_batch_matches_single_sequences(arch):
+    model = with_sinks(tiny_model(arch), values=0.0)
+    model.set_attn_implementation("sdpa")
+    long, short = ids(1, 11, seed=1), ids(1, 6, seed=2)
+    batch = torch.zeros(2, 11, dtype=torch.long)
+    batch[0], batch[1, 5:] = long[0], short[0]
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :5] = 0
+    out = model(batch, attention_mask=mask).logits
+    torch.testing.assert_close(out[0], model(long).logits[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out[1, 5:], model(short).logits[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_greedy_sampling_beam(arch):
+    model = with_sinks(tiny_model(arch), values=0.0, kv_heads=1)
+    x = ids(2, 5)
+    greedy = model.generate(x, max_new_tokens=6, do_sample=False)
+    # greedy with the cache must equal argmax decoding without it
+    seq = x
+    for _ in range(6):
+        nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(greedy, seq)
+    torch.manual_seed(0)
+    sampled = model.generate(x, max_new_tokens=6, do_sample=True, top_k=20)
+    beams = model.generate(x, max_new_tokens=6, num_beams=3, do_sample=False)
+    assert sampled.shape == beams.shape == (2, 11)
+
+
+def test_flash_attention_is_refused():
+    model = with_sinks(tiny_model("llama"))
+    with pytest.raises((ValueError, ImportError)):
+        model.set_attn_implementation("flash_attention_2")
+
+
+def test_sinks_are_trainable_and_act_as_the_gate():
+    """Train only the sinks; they move, the output changes, and the change is exactly the
+    seed-004 gate sigma(lse - s) applied to each head's dense output."""
+    model = with_sinks(tiny_model("llama"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-6.0)  # "almost off" but with a live gradient
+    x = ids()
+    before = model(x).logits.detach()
+    params = [layer.self_attn.sinks for layer in model.model.layers]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=0.5)
+    target = ids(seed=9)
+    for _ in range(10):
+        loss = torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), target.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    moved = torch.stack([(p + 6.0).abs().max() for p in params]).max()
+    assert moved > 1.0
+    after = model(x).logits.detach()
+    assert (after - before).abs().max() > 1e-3
+    # "accordingly": the first layer's output is o_proj(gate * dense) with gate = sigma(lse - s)
+    attn = model.model.layers[0].self_attn
+    captured = {}
+    handle = attn.register_forward_hook(lambda m, a, k, out: captured.setdefault("out", out[0]), with_kwargs=True)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        model(x)
+        handle.remove()
+        sinks = attn.sinks.detach()
+        hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(x))
+        q, k, v = attn.project(hidden, model.model.rotary_emb(hidden, torch.arange(x.shape[1])[None]))
+        z = (q @ k.repeat_interleave(attn.num_key_value_groups, 1).transpose(-1, -2)) * attn.scaling
+        z = z.masked_fill(torch.ones_like(z, dtype=torch.bool).triu(1), float("-inf"))
+        gate = torch.sigmoid(torch.logsumexp(z, -1) - sinks[None, :, None])  # [B, HQ, T]
+        dense = torch.softmax(z, -1) @ v.repeat_interleave(attn.num_key_value_groups, 1)  # [B, HQ, T, D]
+        expected = attn.o_proj((dense * gate[..., None]).transpose(1, 2).flatten(2))
+    torch.testing.assert_close(captured["out"], expected, atol=1e-5, rtol=1e-5)
+
+
+REMOTE_CODE_CHECK = textwrap.dedent(
+    """
+    import sys, json, torch
+    sys.modules["hf_csa2"] = None  # make `import hf_csa2` fail: this process must not need it
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    x = torch.load(sys.argv[2])
+    logits = model(x).logits
+    gen = model.generate(x, max_new_tokens=5, do_sample=False)
+    torch.save({"logits": logits, "gen": gen}, sys.argv[3])
+    """
+)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_reload_without_hf_csa2_via_remote_code(arch, tmp_path):
+    model = with_sinks(tiny_model(arch), values=-1.0, kv_heads=1)
+    model.save_pretrained(tmp_path / "ckpt")
+    x = ids()
+    torch.save(x, tmp_path / "x.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
+    proc = subprocess.run(
+        [sys.executable, "-c", REMOTE_CODE_CHECK, str(tmp_path / "ckpt"), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(got["logits"], model(x).logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got["gen"], model.generate(x, max_new_tokens=5, do_sample=False))
