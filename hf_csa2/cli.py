@@ -50,7 +50,10 @@ def _eval_ppl(args) -> int:
     from .surgery.sources import load_source
 
     entries = [(name, (lambda n=name: load_source(n))) for name in args.models]
-    results = compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows, batch_size=args.batch_size)
+    try:
+        results = compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows, batch_size=args.batch_size)
+    except ValueError as err:  # e.g. models with different tokenizers, text shorter than one window
+        raise PlanError(str(err)) from err
     print(format_ppl_table(results))
     if args.json:
         write_ppl_json(results, args.json)
@@ -58,7 +61,12 @@ def _eval_ppl(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .evals.kv_cache import config_kv_elements_per_token, layer_attention_specs, measure_kv_elements_per_token
+    from .evals.kv_cache import (
+        config_kv_elements_per_token,
+        layer_attention_specs,
+        measure_kv_elements_per_token,
+        measurement_length,
+    )
     from .surgery.sources import load_source
 
     loaded = load_source(args.model)
@@ -76,7 +84,7 @@ def _inspect(args) -> int:
         "layers": layers,
         "kv_elements_per_token_config": config_kv_elements_per_token(cfg),
         "kv_elements_per_token_measured": measure_kv_elements_per_token(loaded.model, num_tokens=args.tokens),
-        "measured_with_tokens": args.tokens,
+        "measured_with_tokens": measurement_length(cfg, args.tokens),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -87,7 +95,7 @@ def _inspect(args) -> int:
     for i, s in enumerate(layers):
         print(f"| {i} | {s['kind']} | {s['num_key_value_heads']} | {s.get('sinks', False)} | {s['window'] or '-'} | {s['kv_elements_per_token']} |")
     print(f"KV elements per token: config {info['kv_elements_per_token_config']}, "
-          f"measured from the live cache after a {args.tokens}-token prefill {info['kv_elements_per_token_measured']:.0f}")
+          f"measured from the live cache after a {info['measured_with_tokens']}-token prefill {info['kv_elements_per_token_measured']:.0f}")
     return 0
 
 

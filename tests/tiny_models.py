@@ -13,7 +13,7 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
-VOCAB = 96
+VOCAB = 128
 
 
 def tiny_config(arch: str, num_kv_heads: int = 2, num_heads: int = 4):
@@ -47,4 +47,27 @@ def tiny_model(arch: str, seed: int = 0, **kwargs):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer (ids 4.. are printable ASCII and newline), no downloads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2, "<unk>": 3, **{ch: i + 4 for i, ch in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>"
+    )
+
+
+def save_tiny_source(arch: str, path, **kwargs):
+    """A tiny checkpoint folder (weights + tokenizer) usable as a conversion SOURCE."""
+    model = tiny_model(arch, **kwargs)
+    model.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
     return model

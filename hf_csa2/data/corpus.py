@@ -62,6 +62,12 @@ class CorpusError(RuntimeError):
     """The requested text could not be found, fetched or understood."""
 
 
+# Fetch failures per cache location, remembered for the life of the process:
+# offline, `apt-get update` can take minutes to time out, and test suites ask
+# for the corpus many times.
+_FETCH_FAILURES: dict[Path, CorpusError] = {}
+
+
 def cache_dir() -> Path:
     """Root of the hf_csa2 cache: ``$HF_CSA2_CACHE`` or ``~/.cache/hf_csa2``."""
     env = os.environ.get("HF_CSA2_CACHE")
@@ -172,7 +178,8 @@ def python_docs_root(fetch: bool = True) -> Path:
     """Return the ``_sources`` directory of the Python 3.11 docs, fetching it if needed.
 
     With ``fetch=False`` only an already-extracted cache is accepted. Raises
-    ``CorpusError`` (with a hint on passing your own text) if unavailable.
+    ``CorpusError`` (with a hint on passing your own text) if unavailable; a
+    failed fetch is not retried within the same process.
     """
     home = _corpus_home()
     root = home / "_sources"
@@ -190,8 +197,14 @@ def python_docs_root(fetch: bool = True) -> Path:
             f"{home} exists but is incomplete (missing _sources/ or calib/); "
             "delete it and retry. " + _HOW_TO_BYPASS
         )
-    deb = _find_deb() or _download_deb()
-    return _extract(deb)
+    if home in _FETCH_FAILURES:
+        raise _FETCH_FAILURES[home]
+    try:
+        deb = _find_deb() or _download_deb()
+        return _extract(deb)
+    except CorpusError as err:
+        _FETCH_FAILURES[home] = err
+        raise
 
 
 def corpus_split(split: str, fetch: bool = True) -> Path:

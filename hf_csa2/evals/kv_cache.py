@@ -23,7 +23,9 @@ def layer_attention_specs(config) -> list[dict]:
         specs = [{"kind": "dense", "num_key_value_heads": kv, "sinks": False}] * config.num_hidden_layers
     out = []
     for spec, layer_type in zip(specs, layer_types):
-        sliding = layer_type == "sliding_attention" or (window is not None and getattr(config, "model_type", "") == "mistral")
+        arch = getattr(config, "base_model_type", None) or config.model_type
+        # Mistral has no layer_types: its one sliding_window applies to every layer.
+        sliding = layer_type == "sliding_attention" or (window is not None and arch == "mistral")
         out.append({**spec, "window": window if sliding else None})
     return out
 
@@ -48,12 +50,29 @@ def live_cache_elements(cache) -> int:
     return total
 
 
+def shortest_window(config) -> int | None:
+    windows = [s["window"] for s in layer_attention_specs(config) if s["window"]]
+    return min(windows) if windows else None
+
+
+def measurement_length(config, num_tokens: int = 16) -> int:
+    """Prefill length for :func:`measure_kv_elements_per_token`: at most ``num_tokens`` and
+    short enough that sliding-window caches (which keep ``window - 1`` tokens) hold them all."""
+    window = shortest_window(config)
+    return max(1, min(num_tokens, window - 1)) if window else num_tokens
+
+
 @torch.no_grad()
 def measure_kv_elements_per_token(model, num_tokens: int = 16) -> float:
-    """Run a short prefill (batch 1) and divide the live cache's elements by ``num_tokens``."""
+    """Run a short prefill (batch 1) and divide the live cache's elements by its length.
+
+    The length is ``measurement_length(config, num_tokens)`` so that every layer still holds
+    every token; the result is then comparable with :func:`config_kv_elements_per_token`.
+    """
+    num_tokens = measurement_length(model.config, num_tokens)
     ids = torch.arange(num_tokens, device=next(model.parameters()).device)[None] % model.config.vocab_size
     out = model(input_ids=ids, use_cache=True)
     return live_cache_elements(out.cache) / num_tokens
 
 
-__all__ = ["config_kv_elements_per_token", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]
+__all__ = ["config_kv_elements_per_token", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]

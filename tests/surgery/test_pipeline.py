@@ -1,0 +1,170 @@
+"""The convert pipeline and CLI on tiny local checkpoints: outputs, reports, bad input."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_csa2
+from hf_csa2.cli import main as cli_main
+from hf_csa2.surgery.pipeline import OutputExistsError, convert
+from hf_csa2.surgery.plan import PlanError
+from hf_csa2.surgery.sources import SourceError
+from tiny_models import save_tiny_source, tiny_tokenizer
+
+TEXT = " ".join(
+    f"Section {i}: the parser reads token {i * 7 % 13} and writes value {i * 3 % 11} to the buffer."
+    for i in range(400)
+)
+
+
+def calib_plan(**extra):
+    return {"calibration": {"text": "TEXT", "num_tokens": 256, "seq_len": 64, "eval_windows": 2}, **extra}
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "calib.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def plan_with(text_file, **extra):
+    plan = calib_plan(**extra)
+    plan["calibration"]["text"] = str(text_file)
+    return plan
+
+
+def tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(folder)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def test_gqa_only_output_is_native_architecture(tmp_path, text_file):
+    src = save_tiny_source("llama", tmp_path / "src")
+    out = tmp_path / "out"
+    result = convert(str(tmp_path / "src"), plan_with(text_file, gqa={"num_key_value_heads": 1}), out_dir=out, log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 1 and "auto_map" not in config
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == ["source", "gqa"]
+    assert report["stages"][0]["kv_elements_per_token"] == 2 * 2 * 12 * 2  # layers * kv * head_dim * (K,V)
+    assert report["stages"][1]["kv_elements_per_token"] == 2 * 1 * 12 * 2
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(4, 100, (1, 12))
+    torch.testing.assert_close(reloaded(x).logits, result.model(x).logits, atol=1e-5, rtol=1e-5)
+    del src
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_sinks_only_conversion_keeps_logits(tmp_path, text_file, arch):
+    src = save_tiny_source(arch, tmp_path / "src")
+    result = convert(str(tmp_path / "src"), plan_with(text_file, sinks={}), out_dir=tmp_path / "out", log=lambda m: None)
+    x = torch.randint(4, 100, (2, 20))
+    src.set_attn_implementation("sdpa")
+    torch.testing.assert_close(result.model(x).logits, src(x).logits, atol=1e-5, rtol=1e-5)
+    sinks = torch.cat([layer.self_attn.sinks for layer in result.model.model.layers])
+    assert (sinks > -1e3).all(), "calibrated sinks must start in the trainable range, not at -1e4"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "hf_csa2"
+
+
+def test_existing_output_is_refused_and_untouched(tmp_path, text_file):
+    save_tiny_source("llama", tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    before_src, before_out = tree_digest(tmp_path / "src"), tree_digest(out)
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        convert(str(tmp_path / "src"), plan_with(text_file, gqa={"num_key_value_heads": 1}), out_dir=out)
+    assert tree_digest(out) == before_out and tree_digest(tmp_path / "src") == before_src
+
+
+def test_overwrite_replaces_output_and_leaves_source_untouched(tmp_path, text_file):
+    save_tiny_source("llama", tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    before_src = tree_digest(tmp_path / "src")
+    convert(str(tmp_path / "src"), plan_with(text_file, gqa={"num_key_value_heads": 1}), out_dir=out, overwrite=True, log=lambda m: None)
+    assert not (out / "old.txt").exists() and (out / "config.json").exists()
+    assert tree_digest(tmp_path / "src") == before_src
+    assert not list(tmp_path.glob(".out.*")), "no temp folders left behind"
+
+
+def test_kv_heads_not_dividing_query_heads(tmp_path, text_file):
+    save_tiny_source("llama", tmp_path / "src")  # 4 query heads
+    with pytest.raises(PlanError, match=r"allowed: \[1, 2, 4\]"):
+        convert(str(tmp_path / "src"), plan_with(text_file, gqa={"num_key_value_heads": 3}), out_dir=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture(tmp_path, text_file):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=100)).save_pretrained(tmp_path / "gpt2")
+    tiny_tokenizer().save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(SourceError, match="gpt2") as err:
+        convert(str(tmp_path / "gpt2"), plan_with(text_file, sinks={}), out_dir=tmp_path / "out")
+    assert "llama" in str(err.value)
+
+
+def test_missing_files(tmp_path, text_file):
+    with pytest.raises(SourceError, match="nope"):
+        convert(str(tmp_path / "nope"), plan_with(text_file, sinks={}))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="config.json"):
+        convert(str(tmp_path / "empty"), plan_with(text_file, sinks={}))
+
+
+def test_unknown_alias():
+    with pytest.raises(SourceError, match="smollm2-135m"):
+        convert("smollm9-1t", {"sinks": {}})
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "hf_csa2.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_errors_are_one_clear_line(tmp_path, text_file):
+    save_tiny_source("llama", tmp_path / "src")
+    cases = [
+        (["convert", "smollm9-1t", "--sinks", "--out", str(tmp_path / "o")], "smollm2-135m"),
+        (["convert", str(tmp_path / "src"), "--to", "gqa", "--kv-heads", "3", "--calib-text", str(text_file), "--out", str(tmp_path / "o")], "allowed: [1, 2, 4]"),
+        (["convert", str(tmp_path / "src"), "--to", "gqa", "--out", str(tmp_path / "o")], "--kv-heads"),
+        (["convert", str(tmp_path / "src"), "--sinks", "--out", str(tmp_path / "src")], "--overwrite"),
+        (["convert", str(tmp_path / "src"), "--plan", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "o")], "does not exist"),
+    ]
+    for args, needle in cases:
+        proc = run_cli(*args)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        assert needle in proc.stderr, (needle, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_convert_eval_inspect(tmp_path, text_file):
+    save_tiny_source("mistral", tmp_path / "src")
+    out = tmp_path / "out"
+    code = cli_main(["convert", str(tmp_path / "src"), "--to", "gqa", "--kv-heads", "1", "--sinks",
+                     "--calib-text", str(text_file), "--calib-tokens", "512", "--out", str(out)])
+    assert code == 0
+    assert json.loads((out / "config.json").read_text())["attention_layers"][0] == {"kind": "dense", "num_key_value_heads": 1, "sinks": True}
+    proc = run_cli("eval", "ppl", str(tmp_path / "src"), str(out), "--text", str(text_file), "--window", "64",
+                   "--max-windows", "3", "--json", str(tmp_path / "ppl.json"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads((tmp_path / "ppl.json").read_text())["results"]
+    assert [r["tokens"] for r in results] == [3 * 63, 3 * 63] and results[0]["ratio"] == 1.0
+    proc = run_cli("inspect", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout)
+    assert info["kv_elements_per_token_measured"] == info["kv_elements_per_token_config"] == 2 * 1 * 12 * 2
+    assert hf_csa2.__version__

@@ -1,0 +1,54 @@
+"""Plan dataclasses: YAML round trip and one clear error per bad field."""
+
+from pathlib import Path
+
+import pytest
+
+from hf_csa2.surgery.plan import ConversionPlan, PlanError
+
+
+def test_yaml_round_trip(tmp_path):
+    plan = ConversionPlan.from_dict({"gqa": {"num_key_value_heads": 1, "init": "mean"}, "sinks": True})
+    path = tmp_path / "p.yaml"
+    path.write_text(plan.to_yaml())
+    assert ConversionPlan.from_yaml(path) == plan
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"gqa": {"num_key_value_heads": 0}}, ["gqa.num_key_value_heads", "positive integer"]),
+        ({"gqa": {"num_key_value_heads": 1, "init": "svd"}}, ["gqa.init", "calibrated", "mean"]),
+        ({"gqa": {}}, ["gqa", "num_key_value_heads"]),
+        ({"sinks": {"init": "zero"}}, ["sinks.init", "calibrated", "off"]),
+        ({"dtype": "int8"}, ["dtype", "float32"]),
+        ({"gqa": {"num_key_value_heads": 1}, "mla": {}}, ["unknown", "mla", "allowed"]),
+        ({"calibration": {"num_tokens": 10, "seq_len": 512}}, ["num_tokens", "seq_len"]),
+    ],
+)
+def test_bad_fields_name_the_field_and_allowed_values(data, words):
+    with pytest.raises(PlanError) as err:
+        ConversionPlan.from_dict(data)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_kv_heads_must_divide_query_heads():
+    class Cfg:
+        num_attention_heads = 9
+
+    plan = ConversionPlan.from_dict({"gqa": {"num_key_value_heads": 2}})
+    with pytest.raises(PlanError, match=r"allowed: \[1, 3, 9\]"):
+        plan.validate_for(Cfg)
+
+
+def test_missing_plan_file(tmp_path):
+    with pytest.raises(PlanError, match="does not exist"):
+        ConversionPlan.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_presets_parse():
+    presets = sorted((Path(__file__).parents[2] / "conversion").glob("*.yaml"))
+    assert presets, "conversion/ must hold presets"
+    for preset in presets:
+        ConversionPlan.from_yaml(preset)
