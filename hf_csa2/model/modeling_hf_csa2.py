@@ -85,17 +85,15 @@ class Csa2Attention(nn.Module):
         q, k = apply_rotary(q, k, cos, sin)
         return q, k, v
 
-    def forward(
+    def attention_output(
         self,
         hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         cache=None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states [B, T, hidden] -> ([B, T, hidden], attention weights or None)."""
-        if cache is None:
-            cache = kwargs.pop("past_key_values", None)
+        """Everything but ``o_proj``: hidden_states [B, T, hidden] -> ([B, T, HQ*D], weights or None)."""
         input_shape = hidden_states.shape[:-1]
         q, k, v = self.project(hidden_states, position_embeddings)
         if cache is not None:
@@ -125,7 +123,20 @@ class Csa2Attention(nn.Module):
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling,
                 sliding_window=self.sliding_window, **kwargs,
             )
-        out = out.reshape(*input_shape, -1).contiguous()
+        return out.reshape(*input_shape, -1).contiguous(), weights
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, hidden] -> ([B, T, hidden], attention weights or None)."""
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        out, weights = self.attention_output(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         return self.o_proj(out), weights
 
 

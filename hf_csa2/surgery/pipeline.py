@@ -27,6 +27,7 @@ from .calibration import attention_input_moments
 from .gqa import apply_gqa, has_qk_norm
 from .plan import ConversionPlan, PlanError
 from .rebuild import is_csa2, to_native
+from .refit import refit_output_projections
 from .sinks import add_sinks, calibrate_sinks
 from .sources import SourceError, load_source, resolve_source
 
@@ -85,6 +86,8 @@ def gqa_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
     moments = calib.moments(source_model) if plan.gqa.init == "calibrated" else None
     new = apply_gqa(model, plan.gqa.num_key_value_heads, plan.gqa.init, moments)
     notes = {"init": plan.gqa.init}
+    if plan.gqa.init == "calibrated" and plan.gqa.refit_output:
+        notes.update(refit_output_projections(source_model, new, calib.fit))
     if plan.gqa.init == "calibrated" and has_qk_norm(model):
         notes["keys"] = "QK-norm source: keys merged by mean (a linear RoPE-aware fold cannot pass the norm); values by O-weighted PCA"
     return new, notes
@@ -118,7 +121,7 @@ def as_plan(plan) -> ConversionPlan:
 
 def peek_config(kind: str, path: Path):
     """The source's config without loading its weights."""
-    if kind in ("gguf", "alias"):
+    if path.is_file() and path.suffix == ".gguf":  # aliases and GGUF-only Hub snapshots too
         return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     return AutoConfig.from_pretrained(path)
 

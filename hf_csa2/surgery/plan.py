@@ -37,6 +37,7 @@ class GqaPlan:
 
     num_key_value_heads: int
     init: str = "calibrated"  # "calibrated": RoPE-aware weighted PCA merge; "mean": Ainslie et al. mean-pooling
+    refit_output: bool = True  # with "calibrated": least-squares refit of o_proj to the source's attention output
 
 
 @dataclass
