@@ -10,7 +10,6 @@ import torch
 
 from hf_csa2.evals.kv_cache import measure_kv_elements_per_token
 from hf_csa2.evals.ppl import mean_nll, token_windows
-from hf_csa2.surgery.calibration import attention_input_moments
 from hf_csa2.surgery.gqa import apply_gqa
 from hf_csa2.surgery.sinks import add_sinks, calibrate_sinks
 
@@ -32,11 +31,10 @@ def texts(smollm2):
 @pytest.fixture(scope="module")
 def converted(smollm2, texts):
     """MQA (calibrated) + calibrated sinks, the full feature set of the Foundation issue."""
-    moments = attention_input_moments(smollm2.model, texts["calib"])
-    mqa = apply_gqa(smollm2.model, 1, "calibrated", moments)
+    mqa = apply_gqa(smollm2.model, 1, "calibrated", texts["calib"])
     model = add_sinks(mqa)
     calibrate_sinks(model, texts["calib"][:2])
-    return {"moments": moments, "model": model}
+    return {"mqa": mqa, "model": model}
 
 
 def test_sinks_alone_keep_the_logits(smollm2, texts):
@@ -48,7 +46,7 @@ def test_sinks_alone_keep_the_logits(smollm2, texts):
 
 def test_calibrated_mqa_beats_mean_on_held_out_text(smollm2, texts, converted):
     mean = apply_gqa(smollm2.model, 1, "mean")
-    calibrated = apply_gqa(smollm2.model, 1, "calibrated", converted["moments"])
+    calibrated = converted["mqa"]
     ppl = {name: mean_nll(m, texts["heldout"])["ppl"] for name, m in
            [("source", smollm2.model), ("mean", mean), ("calibrated", calibrated)]}
     assert ppl["calibrated"] < ppl["mean"], ppl

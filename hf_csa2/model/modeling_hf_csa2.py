@@ -97,7 +97,7 @@ class Csa2Attention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         q, k, v = self.project(hidden_states, position_embeddings)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
 
         impl = self.config._attn_implementation or "eager"
         dropout = self.attention_dropout if self.training else 0.0

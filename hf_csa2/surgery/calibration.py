@@ -7,6 +7,8 @@ coordinate carries projection biases through the same algebra).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -14,6 +16,24 @@ from torch import nn
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a supported causal LM (``model.model.layers``)."""
     return model.model.layers
+
+
+@torch.no_grad()
+def run_with_attention_hooks(model: nn.Module, windows: torch.Tensor, attach: Callable, batch_size: int | None = None) -> None:
+    """Run ``model`` over ``windows`` [N, T] (in batches of ``batch_size``; all at once if None)
+    with ``attach(layer_idx, attention_module) -> hook handle`` applied to every layer first;
+    the hooks are removed afterwards whatever happens."""
+    handles = [attach(i, layer.self_attn) for i, layer in enumerate(decoder_layers(model))]
+    was_training = model.training
+    model.eval()
+    try:
+        step = batch_size or windows.shape[0]
+        for start in range(0, windows.shape[0], step):
+            model(input_ids=windows[start : start + step], use_cache=False)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
 
 
 @torch.no_grad()
@@ -30,8 +50,6 @@ def attention_input_moments(model: nn.Module, windows: torch.Tensor, batch_size:
     d = model.config.hidden_size
     sums = [torch.zeros(d + 1, d + 1, dtype=torch.float64) for _ in layers]
     counts = [0 for _ in layers]
-    handles = []
-
     def make_hook(i):
         def hook(module, args, kwargs):
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
@@ -42,18 +60,10 @@ def attention_input_moments(model: nn.Module, windows: torch.Tensor, batch_size:
 
         return hook
 
-    for i, layer in enumerate(layers):
-        handles.append(layer.self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True))
-    try:
-        was_training = model.training
-        model.eval()
-        for start in range(0, windows.shape[0], batch_size):
-            model(input_ids=windows[start : start + batch_size], use_cache=False)
-        model.train(was_training)
-    finally:
-        for h in handles:
-            h.remove()
+    run_with_attention_hooks(
+        model, windows, lambda i, attn: attn.register_forward_pre_hook(make_hook(i), with_kwargs=True), batch_size
+    )
     return [s / max(c, 1) for s, c in zip(sums, counts)]
 
 
-__all__ = ["attention_input_moments", "decoder_layers"]
+__all__ = ["attention_input_moments", "decoder_layers", "run_with_attention_hooks"]

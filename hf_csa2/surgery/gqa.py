@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from .calibration import decoder_layers
-from .rebuild import is_csa2, load_matching, native_specs, to_csa2
+from .layerwise import augmented_moment, calibrate_layerwise, refit_output_projection, source_attention_outputs
+from .rebuild import is_csa2, native_specs, to_csa2
 
 
 @dataclass
@@ -198,25 +199,51 @@ def has_qk_norm(model) -> bool:
     return getattr(decoder_layers(model)[0].self_attn, "q_norm", None) is not None
 
 
-def apply_gqa(model, num_key_value_heads: int, init: str = "calibrated", moments: list | None = None):
+def apply_gqa(model, num_key_value_heads: int, init: str = "calibrated", windows: torch.Tensor | None = None,
+              *, refit_output: bool = True, ridge: float = 0.3):
     """Return a copy of ``model`` (native or hf_csa2) whose layers all have
-    ``num_key_value_heads`` KV heads; ``moments`` (one [d+1, d+1] per layer, see
-    :func:`~hf_csa2.surgery.calibration.attention_input_moments`) are needed for ``calibrated``."""
+    ``num_key_value_heads`` KV heads.
+
+    ``mean`` needs nothing else. ``calibrated`` needs calibration ``windows`` [N, T]: layer by
+    layer (see :mod:`~hf_csa2.surgery.layerwise`) it merges the heads with
+    :func:`merge_kv_heads` from the statistics of the converted model's own inputs to that
+    layer, then (``refit_output``) refits ``o_proj`` so the layer reproduces the source
+    layer's attention output.
+    """
+    if init == "calibrated" and windows is None:
+        raise ValueError("init='calibrated' needs calibration windows")
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     specs = [dict(s) for s in (cfg.attention_layers if is_csa2(model) else native_specs(cfg))]
     rope_aware = not has_qk_norm(model)
-    state = dict(model.state_dict())
-    for i, layer in enumerate(decoder_layers(model)):
-        merged = merge_kv_heads(
-            AttentionWeights.from_module(layer.self_attn),
+    old_layers = decoder_layers(model)
+
+    def merged(i, moment=None):
+        return merge_kv_heads(
+            AttentionWeights.from_module(old_layers[i].self_attn),
             num_q_heads=cfg.num_attention_heads, old_kv_heads=specs[i]["num_key_value_heads"],
-            new_kv_heads=num_key_value_heads, head_dim=head_dim, method=init,
-            moment=None if moments is None else moments[i], rope_aware_keys=rope_aware,
+            new_kv_heads=num_key_value_heads, head_dim=head_dim, method="mean" if moment is None else "calibrated",
+            moment=moment, rope_aware_keys=rope_aware,
         )
-        state.update(merged.state_dict(f"model.layers.{i}.self_attn."))
-        specs[i]["num_key_value_heads"] = num_key_value_heads
-    new = to_csa2(model, specs, state=state)
+
+    state = dict(model.state_dict())
+    for i in range(len(old_layers)):
+        state.update(merged(i).state_dict(f"model.layers.{i}.self_attn."))
+    new_specs = [{**s, "num_key_value_heads": num_key_value_heads} for s in specs]
+    new = to_csa2(model, new_specs, state=state)
+    if init == "mean":
+        return new
+
+    targets = source_attention_outputs(model, windows) if refit_output else None
+
+    def fit_layer(i, attn, hidden, attn_kwargs):
+        weights = merged(i, augmented_moment(hidden)).state_dict("")
+        attn.load_state_dict({**attn.state_dict(), **weights})
+        if not refit_output:
+            return {}
+        return refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=ridge)
+
+    new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
     return new
 
 

@@ -23,11 +23,9 @@ from ..data.corpus import resolve_text
 from ..evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
 from ..evals.ppl import mean_nll, token_windows
 from ..model import SUPPORTED_BASE_MODEL_TYPES
-from .calibration import attention_input_moments
 from .gqa import apply_gqa, has_qk_norm
 from .plan import ConversionPlan, PlanError
 from .rebuild import is_csa2, to_native
-from .refit import refit_output_projections
 from .sinks import add_sinks, calibrate_sinks
 from .sources import SourceError, load_source, resolve_source
 
@@ -52,13 +50,6 @@ class Calibration:
 
     fit: torch.Tensor
     score: torch.Tensor
-    _moments: list | None = None
-
-    def moments(self, model) -> list[torch.Tensor]:
-        """Per-layer attention-input second moments of the SOURCE model (computed once)."""
-        if self._moments is None:
-            self._moments = attention_input_moments(model, self.fit)
-        return self._moments
 
 
 @dataclass
@@ -83,12 +74,15 @@ class ConversionResult:
 
 def gqa_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
     """Merge KV heads of every layer to ``plan.gqa.num_key_value_heads``."""
-    moments = calib.moments(source_model) if plan.gqa.init == "calibrated" else None
-    new = apply_gqa(model, plan.gqa.num_key_value_heads, plan.gqa.init, moments)
-    notes = {"init": plan.gqa.init}
-    if plan.gqa.init == "calibrated" and plan.gqa.refit_output:
-        notes.update(refit_output_projections(source_model, new, calib.fit))
-    if plan.gqa.init == "calibrated" and has_qk_norm(model):
+    gqa = plan.gqa
+    new = apply_gqa(model, gqa.num_key_value_heads, gqa.init, calib.fit if gqa.init == "calibrated" else None,
+                    refit_output=gqa.refit_output, ridge=gqa.ridge)
+    notes = {"init": gqa.init}
+    fits = [f for f in getattr(new, "fit_notes", []) if f]
+    if fits:
+        notes["attn_out_rel_err_before_refit"] = sum(f["rel_err_before"] for f in fits) / len(fits)
+        notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in fits) / len(fits)
+    if gqa.init == "calibrated" and has_qk_norm(model):
         notes["keys"] = "QK-norm source: keys merged by mean (a linear RoPE-aware fold cannot pass the norm); values by O-weighted PCA"
     return new, notes
 

@@ -38,6 +38,7 @@ class GqaPlan:
     num_key_value_heads: int
     init: str = "calibrated"  # "calibrated": RoPE-aware weighted PCA merge; "mean": Ainslie et al. mean-pooling
     refit_output: bool = True  # with "calibrated": least-squares refit of o_proj to the source's attention output
+    ridge: float = 0.3  # refit regularisation toward the merged o_proj, relative to mean diag(A^T A)
 
 
 @dataclass
@@ -118,6 +119,8 @@ class ConversionPlan:
             kv = self.gqa.num_key_value_heads
             if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
                 raise PlanError(f"gqa.num_key_value_heads={kv!r}; allowed: a positive integer dividing the query heads")
+            if not isinstance(self.gqa.ridge, (int, float)) or self.gqa.ridge <= 0:
+                raise PlanError(f"gqa.ridge={self.gqa.ridge!r}; allowed: a positive number")
             if self.gqa.init not in GQA_INITS:
                 raise PlanError(f"gqa.init={self.gqa.init!r}; allowed: {', '.join(GQA_INITS)}")
         if self.sinks is not None and self.sinks.init not in SINK_INITS:

@@ -14,6 +14,7 @@ import torch
 
 from ..model.modeling_hf_csa2 import SINK_OFF, Csa2Attention
 from ..model.sink_attention import allowed_mask, expand_kv
+from .calibration import run_with_attention_hooks
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -37,7 +38,6 @@ def min_logsumexp_per_head(model, windows: torch.Tensor, batch_size: int = 2) ->
         ``{layer_idx: tensor [HQ]}`` (float64).
     """
     found: dict[int, torch.Tensor] = {}
-    handles = []
 
     def hook(module: Csa2Attention, args, kwargs, _output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -52,15 +52,9 @@ def min_logsumexp_per_head(model, windows: torch.Tensor, batch_size: int = 2) ->
         prev = found.get(module.layer_idx)
         found[module.layer_idx] = lse if prev is None else torch.minimum(prev, lse)
 
-    for module in model.modules():
-        if isinstance(module, Csa2Attention):
-            handles.append(module.register_forward_hook(hook, with_kwargs=True))
-    try:
-        for start in range(0, windows.shape[0], batch_size):
-            model(input_ids=windows[start : start + batch_size], use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    run_with_attention_hooks(
+        model, windows, lambda i, attn: attn.register_forward_hook(hook, with_kwargs=True), batch_size
+    )
     return found
 
 

@@ -113,6 +113,8 @@ def test_generate_greedy_sampling_beam(arch):
         nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
     assert torch.equal(greedy, seq)
+    static = model.generate(x, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    assert torch.equal(static, greedy)
     torch.manual_seed(0)
     sampled = model.generate(x, max_new_tokens=6, do_sample=True, top_k=20)
     beams = model.generate(x, max_new_tokens=6, num_beams=3, do_sample=False)

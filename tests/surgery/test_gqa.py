@@ -26,8 +26,7 @@ def test_head_groups_follow_floor_mapping():
 @pytest.mark.parametrize("init", ["mean", "calibrated"])
 def test_keeping_the_kv_head_count_is_exact(arch, init):
     src = tiny_model(arch)
-    moments = attention_input_moments(src, calib_ids()) if init == "calibrated" else None
-    new = apply_gqa(src, src.config.num_key_value_heads, init, moments)
+    new = apply_gqa(src, src.config.num_key_value_heads, init, calib_ids() if init == "calibrated" else None)
     x = calib_ids(2, 20, seed=3)
     torch.testing.assert_close(new(x).logits, src(x).logits, atol=1e-4, rtol=1e-4)
 
@@ -50,11 +49,32 @@ def kl_to_source(src, new, x):
 def test_calibrated_beats_mean_on_tiny_models(arch):
     src = tiny_model(arch)
     ids = calib_ids(16, 48)
-    moments = attention_input_moments(src, ids)
     mean = apply_gqa(src, 1, "mean")
-    calibrated = apply_gqa(src, 1, "calibrated", moments)
+    merge_only = apply_gqa(src, 1, "calibrated", ids, refit_output=False)
+    calibrated = apply_gqa(src, 1, "calibrated", ids)
     held_out = calib_ids(4, 48, seed=11)
-    assert kl_to_source(src, calibrated, held_out) < kl_to_source(src, mean, held_out)
+    kl = {name: kl_to_source(src, m, held_out) for name, m in [("mean", mean), ("merge", merge_only), ("refit", calibrated)]}
+    assert kl["merge"] < kl["mean"] and kl["refit"] < kl["mean"], kl
+    fits = calibrated.fit_notes
+    assert all(f["rel_err_after"] <= f["rel_err_before"] + 1e-9 for f in fits), fits
+
+
+def test_one_shot_merge_from_source_moments_beats_mean():
+    """merge_kv_heads alone (no layerwise pass, no refit) already beats mean pooling."""
+    src = tiny_model("llama")
+    moments = attention_input_moments(src, calib_ids(16, 48))
+    held_out = calib_ids(4, 48, seed=11)
+    errs = {}
+    for method in ("mean", "calibrated"):
+        state = dict(src.state_dict())
+        for i, layer in enumerate(src.model.layers):
+            merged = merge_kv_heads(AttentionWeights.from_module(layer.self_attn), num_q_heads=4, old_kv_heads=2,
+                                    new_kv_heads=1, head_dim=12, method=method, moment=moments[i])
+            state.update(merged.state_dict(f"model.layers.{i}.self_attn."))
+        model = apply_gqa(src, 1, "mean")
+        model.load_state_dict(state)
+        errs[method] = kl_to_source(src, model, held_out)
+    assert errs["calibrated"] < errs["mean"], errs
 
 
 @settings(max_examples=25, deadline=None)

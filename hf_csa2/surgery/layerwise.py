@@ -1,0 +1,92 @@
+"""Layer-by-layer calibration of a rewritten model against its source.
+
+A one-shot rewrite of every layer from the SOURCE model's activations lets errors compound:
+layer ``l`` of the converted model sees inputs already changed by layers ``< l``. Here the
+converted model is run once over the whole calibration batch with a pre-hook on each
+attention module; when layer ``l`` is reached, its inputs are the converted model's own, and
+the hook fits that layer (e.g. merges KV heads from those inputs' statistics, then refits
+``o_proj`` so the layer reproduces the SOURCE layer's attention output) before it runs. The
+next layer then sees the corrected stream (GPTQ-style sequential calibration).
+
+The whole calibration batch goes through in one forward, so its size is the memory knob.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .calibration import run_with_attention_hooks
+
+
+@torch.no_grad()
+def source_attention_outputs(model, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's attention output (after ``o_proj``) on ``windows`` [N, T] -> [N, T, hidden]."""
+    outputs: dict[int, torch.Tensor] = {}
+
+    def make_hook(i):
+        def hook(module, args, kwargs, output):
+            outputs[i] = output[0].detach()
+
+        return hook
+
+    run_with_attention_hooks(model, windows, lambda i, attn: attn.register_forward_hook(make_hook(i), with_kwargs=True))
+    return [outputs[i] for i in range(len(outputs))]
+
+
+@torch.no_grad()
+def calibrate_layerwise(model, windows: torch.Tensor, fit_layer: Callable) -> list:
+    """Run ``model`` once on ``windows``; before layer ``i``'s attention runs, call
+    ``fit_layer(i, attention_module, hidden_states [N, T, hidden], attention_kwargs)``, which
+    may rewrite the module's weights in place. Returns the list of ``fit_layer`` results."""
+    results: dict[int, object] = {}
+
+    def make_hook(i):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            results[i] = fit_layer(i, module, hidden, kwargs)
+
+        return hook
+
+    run_with_attention_hooks(model, windows, lambda i, attn: attn.register_forward_pre_hook(make_hook(i), with_kwargs=True))
+    return [results[i] for i in range(len(results))]
+
+
+def augmented_moment(hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [..., d] -> float64 [d+1, d+1] mean of x~ x~^T with x~ = [x, 1]."""
+    x = hidden.reshape(-1, hidden.shape[-1]).double()
+    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+    return x.T @ x / x.shape[0]
+
+
+@torch.no_grad()
+def refit_output_projection(attn, hidden: torch.Tensor, attn_kwargs: dict, target: torch.Tensor,
+                            ridge: float = 0.3) -> dict[str, float]:
+    """Least-squares refit of ``attn.o_proj`` so the layer reproduces ``target`` [N, T, hidden].
+
+    ``W = argmin ||A W^T - Y||^2 + lam ||W - W0||^2`` with ``A`` the attention output before
+    ``o_proj`` [N*T, HQ*D] and ``lam = ridge * mean(diag(A^T A))``. Shrinking toward the current
+    ``W0`` (not toward zero) matters: after a KV merge the columns of ``A`` are highly collinear
+    (every query head mixes the same few value vectors), so ``A^T A`` is ill-conditioned.
+    Returns the relative squared error before and after.
+    """
+    a, _ = attn.attention_output(hidden, attn_kwargs["position_embeddings"], attn_kwargs.get("attention_mask"))
+    a = a.reshape(-1, a.shape[-1]).double()
+    y = target.reshape(-1, target.shape[-1]).double()
+    if attn.o_proj.bias is not None:
+        y = y - attn.o_proj.bias.double()
+    g, c, yy = a.T @ a, a.T @ y, (y * y).sum()
+    w0 = attn.o_proj.weight.double()
+    lam = ridge * g.diagonal().mean().clamp_min(1e-12) * torch.eye(g.shape[0], dtype=torch.float64)
+    w = torch.linalg.solve(g + lam, c + lam @ w0.T).T
+
+    def rel_err(wt):
+        return (((wt @ g @ wt.T).trace() - 2 * (wt @ c).trace() + yy) / yy).item()
+
+    before, after = rel_err(w0), rel_err(w)
+    attn.o_proj.weight.copy_(w.to(attn.o_proj.weight.dtype))
+    return {"rel_err_before": before, "rel_err_after": after}
+
+
+__all__ = ["augmented_moment", "calibrate_layerwise", "refit_output_projection", "source_attention_outputs"]
