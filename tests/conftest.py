@@ -12,9 +12,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (dequantised from its GGUF), loaded once."""
-    from hf_csa2.surgery.sources import SourceError, load_source
+    from hf_csa2.surgery.sources import SourceError, load_source, resolve_alias
 
     try:
-        return load_source("smollm2-135m")
-    except SourceError as err:
-        pytest.skip(f"SmolLM2 checkpoint unavailable (offline?): {err}")
+        resolve_alias("smollm2-135m")
+    except SourceError as err:  # only a failed fetch skips; a failed load is a bug
+        pytest.skip(f"SmolLM2 checkpoint cannot be fetched (offline?): {err}")
+    return load_source("smollm2-135m")

@@ -1,0 +1,144 @@
+"""Run needle samples through models and report per-capability accuracy.
+
+Outputs (see :func:`write_reports`): ``needle.json`` with one record per sample and model
+(length, depth, category, answer, output, correct), ``needle.md`` with a capability x length
+table (one column per model plus ratios to the first), and ``heatmap_<model>_<category>.png``
+(depth x length accuracy).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .needle import CATEGORIES, NeedleSample, score_output
+
+
+def build_prompt(tokenizer, sample: NeedleSample, chat_template: bool = True) -> str:
+    """The text fed to the model: the chat template around the context when the tokenizer has
+    one and ``chat_template`` is on, else the raw context."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": sample.context}], tokenize=False, add_generation_prompt=True
+        )
+    return sample.context
+
+
+@torch.no_grad()
+def generate_answers(model, tokenizer, samples: list[NeedleSample], *, chat_template: bool = True,
+                     max_new_tokens: int = 16) -> list[str]:
+    """Greedy outputs, one sample at a time (no padding effects), decoded without specials.
+
+    ``model`` is a causal LM, or any callable ``prompt -> output text`` (scripted baselines).
+    """
+    outputs = []
+    if not isinstance(model, torch.nn.Module):
+        return [model(build_prompt(tokenizer, s, chat_template)) for s in samples]
+    model.eval()
+    for sample in samples:
+        prompt = build_prompt(tokenizer, sample, chat_template)
+        enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat_template or not tokenizer.chat_template)
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        outputs.append(tokenizer.decode(gen[0, enc.input_ids.shape[1]:], skip_special_tokens=True))
+    return outputs
+
+
+def score_records(samples: list[NeedleSample], outputs: list[str]) -> list[dict]:
+    """Per-sample records: id, category, length, target_length, depth, answer, output, correct."""
+    return [
+        {"id": s.id, "category": s.category, "target_length": s.target_length, "length": s.length,
+         "depth": s.depth, "answer": s.answer, "wrong": s.wrong, "output": out, "correct": score_output(s, out)}
+        for s, out in zip(samples, outputs)
+    ]
+
+
+def accuracy_table(records: list[dict]) -> dict[tuple[str, int], float]:
+    """(category, target_length) -> accuracy."""
+    cells: dict[tuple[str, int], list[bool]] = defaultdict(list)
+    for r in records:
+        cells[(r["category"], r["target_length"])].append(r["correct"])
+    return {k: sum(v) / len(v) for k, v in cells.items()}
+
+
+def format_markdown(results: dict[str, list[dict]]) -> str:
+    """One table: rows = capability x length, a column per model, ratios to the first model."""
+    names = list(results)
+    tables = {n: accuracy_table(r) for n, r in results.items()}
+    keys = sorted({k for t in tables.values() for k in t}, key=lambda k: (CATEGORIES.index(k[0]), k[1]))
+    counts = defaultdict(int)
+    for r in results[names[0]]:
+        counts[(r["category"], r["target_length"])] += 1
+    header = ["capability", "length", "n"] + names + [f"{n} / {names[0]}" for n in names[1:]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for cat, length in keys:
+        accs = [tables[n].get((cat, length), math.nan) for n in names]
+        base = accs[0]
+        ratios = [f"{a / base:.2f}" if base else "n/a" for a in accs[1:]]
+        lines.append("| " + " | ".join([cat, str(length), str(counts[(cat, length)])] + [f"{a:.2f}" for a in accs] + ratios) + " |")
+    return "\n".join(lines)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "model"
+
+
+def write_heatmaps(name: str, records: list[dict], out_dir: Path) -> list[Path]:
+    """One depth x length accuracy heatmap PNG per capability."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for cat in CATEGORIES:
+        recs = [r for r in records if r["category"] == cat]
+        if not recs:
+            continue
+        lengths = sorted({r["target_length"] for r in recs})
+        depths = sorted({r["depth"] for r in recs})
+        grid = [[math.nan] * len(lengths) for _ in depths]
+        for i, d in enumerate(depths):
+            for j, n in enumerate(lengths):
+                cell = [r["correct"] for r in recs if r["depth"] == d and r["target_length"] == n]
+                if cell:
+                    grid[i][j] = sum(cell) / len(cell)
+        fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 1.0 + 0.5 * len(depths)))
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("depth")
+        ax.set_title(f"{name}: {cat}", fontsize=9)
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if not math.isnan(grid[i][j]):
+                    ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center",
+                            color="white" if grid[i][j] < 0.5 else "black", fontsize=8)
+        fig.colorbar(im, ax=ax, fraction=0.05)
+        fig.tight_layout()
+        path = out_dir / f"heatmap_{_slug(name)}_{cat}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_reports(results: dict[str, list[dict]], out_dir: str | Path, settings: dict | None = None) -> dict:
+    """Write needle.json, needle.md and heatmaps; return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "needle.json").write_text(json.dumps({"settings": settings or {}, "results": results}, indent=1))
+    md = format_markdown(results)
+    (out / "needle.md").write_text(md + "\n")
+    heatmaps = [str(p) for name, recs in results.items() for p in write_heatmaps(name, recs, out)]
+    return {"json": str(out / "needle.json"), "markdown": str(out / "needle.md"), "heatmaps": heatmaps, "table": md}
+
+
+__all__ = ["accuracy_table", "build_prompt", "format_markdown", "generate_answers", "score_records", "write_heatmaps",
+           "write_reports"]
