@@ -2,6 +2,7 @@
 
     hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] --out DIR
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
+    hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
     hf-csa2 inspect MODEL [--json]
 """
 
@@ -58,6 +59,66 @@ def _eval_ppl(args) -> int:
     if args.json:
         write_ppl_json(results, args.json)
     return 0
+
+
+def _eval_needle(args) -> int:
+    import gc
+
+    from .data.corpus import read_text, resolve_text
+    from .evals.needle import CATEGORIES, generate_samples, write_jsonl
+    from .evals.needle_eval import generate_answers, score_records, write_reports
+    from .surgery.sources import load_source
+
+    categories = args.categories.split(",") if args.categories else list(CATEGORIES)
+    bad = [c for c in categories if c not in CATEGORIES]
+    if bad:
+        raise PlanError(f"--categories {bad}; allowed: {', '.join(CATEGORIES)}")
+    lengths = _int_list(args.lengths, "--lengths")
+    depths = _float_list(args.depths, "--depths")
+    if any(not 0.0 <= d <= 1.0 for d in depths):
+        raise PlanError(f"--depths {depths}; allowed: numbers in [0, 1]")
+    text = read_text(resolve_text(args.text), max_chars=4_000_000)
+    results, samples = {}, None
+    for name in args.models:
+        loaded = load_source(name)
+        if samples is None:  # one sample set, made with the first model's tokenizer, for every model
+            try:
+                samples = generate_samples(loaded.tokenizer, text, categories=categories, lengths=lengths,
+                                           depths=depths, per_cell=args.per_cell, seed=args.seed)
+            except ValueError as err:
+                raise PlanError(str(err)) from err
+            if args.export_jsonl:
+                write_jsonl(samples, args.export_jsonl)
+            _log(f"{len(samples)} samples: {len(categories)} capabilities x {len(lengths)} lengths x "
+                 f"{len(depths)} depths x {args.per_cell}")
+        outputs = generate_answers(loaded.model, loaded.tokenizer, samples,
+                                   chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens)
+        results[name] = score_records(samples, outputs)
+        del loaded
+        gc.collect()
+    settings = {"lengths": lengths, "depths": depths, "per_cell": args.per_cell, "seed": args.seed,
+                "text": args.text, "chat_template": not args.no_chat_template, "max_new_tokens": args.max_new_tokens}
+    paths = write_reports(results, args.out, settings)
+    print(paths["table"])
+    _log(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['heatmaps'])} heatmaps")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PlanError(f"{flag} {text!r}; allowed: comma-separated positive integers, e.g. 1024,2048") from None
+    if not values or any(v < 1 for v in values):
+        raise PlanError(f"{flag} {text!r}; allowed: comma-separated positive integers, e.g. 1024,2048")
+    return values
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PlanError(f"{flag} {text!r}; allowed: comma-separated numbers, e.g. 0,0.5,1") from None
 
 
 def _inspect(args) -> int:
@@ -129,6 +190,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--json", help="write results JSON here")
     p.set_defaults(func=_eval_ppl)
+
+    p = ev.add_parser("needle", help="needle/distractor long-context capabilities, scored separately")
+    p.add_argument("models", nargs="+", help="models (folders, sources or aliases) sharing one tokenizer")
+    p.add_argument("--out", required=True, help="folder for needle.json, needle.md and heatmaps")
+    p.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="relative insertion depths")
+    p.add_argument("--per-cell", type=int, default=4, help="samples per capability x length x depth")
+    p.add_argument("--categories", help="comma-separated subset of local,far,distractor,composition,order,repeated")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--text", default="python-docs:heldout", help="haystack text: file, folder or named corpus")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt even if the tokenizer has a chat template")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--export-jsonl", help="also write the samples as JSONL (lm-eval task data)")
+    p.set_defaults(func=_eval_needle)
 
     p = sub.add_parser("inspect", help="per-layer attention kinds and measured KV-cache size")
     p.add_argument("model")

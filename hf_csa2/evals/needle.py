@@ -41,6 +41,7 @@ _LETTERS = "ABCDEFGHJKLMNPRSTUVWXYZ"
 
 INSTRUCTION = ("Below is a maintenance log mixed with unrelated documentation. "
                "Read it and answer the question that follows it.")
+ANSWER_HINT = "Reply with the answer only, no sentence.\nAnswer:"
 
 
 @dataclass
@@ -132,7 +133,7 @@ def _records(category: str, rng: random.Random, depth: float, distractors: int, 
         recs = [(earlier, f"Event log: the {first} alarm was triggered in {device}."),
                 (later, f"Event log: the {second} alarm was triggered in {device}.")]
         a, b = (first, second) if rng.random() < 0.5 else (second, first)
-        q = f"In {device}, which alarm was triggered first: the {a} alarm or the {b} alarm? Answer with one word."
+        q = f"In {device}, which alarm was triggered first: the {a} alarm or the {b} alarm?"
         return recs, q, first, [second]
     raise ValueError(f"category={category!r}; allowed: {', '.join(CATEGORIES)}")
 
@@ -151,7 +152,7 @@ def _assemble(sentences: list[str], records: list[tuple[float, str]], question: 
         if i < len(sentences):
             parts.append(sentences[i])
     doc = " ".join(parts)
-    return f"{INSTRUCTION}\n\n<log>\n{doc}\n</log>\n\nQuestion: {question}\nAnswer:", depths
+    return f"{INSTRUCTION}\n\n<log>\n{doc}\n</log>\n\nQuestion: {question}\n{ANSWER_HINT}", depths
 
 
 def make_sample(tokenizer, sentences: list[str], category: str, target_length: int, depth: float, seed: int,

@@ -31,7 +31,7 @@ def build_prompt(tokenizer, sample: NeedleSample, chat_template: bool = True) ->
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, samples: list[NeedleSample], *, chat_template: bool = True,
-                     max_new_tokens: int = 16) -> list[str]:
+                     max_new_tokens: int = 32) -> list[str]:
     """Greedy outputs, one sample at a time (no padding effects), decoded without specials.
 
     ``model`` is a causal LM, or any callable ``prompt -> output text`` (scripted baselines).

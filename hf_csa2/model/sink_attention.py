@@ -7,10 +7,10 @@ the sink is a virtual key whose logit is ``s_h`` and whose value is the zero vec
 
 Two implementations, same contract:
 
-* :func:`eager_sink_attention` -- the readable fp32 reference (explicit logits).
-* :func:`sdpa_sink_attention` -- ``torch.nn.functional.scaled_dot_product_attention`` with the
-  sink realised as a virtual zero-value key: one extra head dimension carries ``s_h`` so the
-  fused kernel computes exactly the sink softmax.
+* :func:`eager_sink_attention` -- the readable reference (explicit logits, fp32 softmax).
+* :func:`sdpa_sink_attention` -- ``torch.nn.functional.scaled_dot_product_attention`` for the
+  dense part, times the sink gate computed by a second fused call in which the sink is a
+  virtual key (one extra head dimension carries ``s_h``).
 
 Shapes at the boundary (transformers' attention-interface layout):
     query [B, HQ, T, D], key/value [B, H, S, D] with HQ % H == 0 (head r reads KV head r // (HQ/H)),
@@ -61,35 +61,41 @@ def eager_sink_attention(
     dropout: float = 0.0,
     training: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention with optional sinks, computed in fp32 (fp64 inputs stay fp64).
+    """Reference attention with optional sinks (explicit logits, softmax in fp32 at least).
 
-    Returns ``(out [B, T, HQ, D], weights [B, HQ, T, S])`` where weights are the real-token
-    weights (they sum to ``Z / (Z + exp(s))`` per row when sinks are present).
+    Computed as seed 004 §5 writes it: the dense softmax weights, exactly as transformers'
+    eager path computes them, times the gate ``g = Z / (Z + exp(s)) = 1 - sigmoid(s - lse(z))``.
+    A sink far below every row's logsumexp gives ``g == 1.0`` in floating point, so the output
+    is then bit-identical to the sink-free computation.
+
+    Returns ``(out [B, T, HQ, D], weights [B, HQ, T, S])``; the weights are the real-token
+    weights (rows sum to ``g``).
     """
     b, hq, t, _ = query.shape
     s = key.shape[2]
-    dtype = torch.promote_types(query.dtype, torch.float32)  # fp32 at least; fp64 stays fp64
-    k = expand_kv(key, hq).to(dtype)
-    v = expand_kv(value, hq).to(dtype)
-    logits = torch.matmul(query.to(dtype), k.transpose(-1, -2)) * scaling  # [B, HQ, T, S]
+    k = expand_kv(key, hq)
+    v = expand_kv(value, hq)
+    logits = torch.matmul(query, k.transpose(-1, -2)) * scaling  # [B, HQ, T, S]
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     allowed = allowed_mask(attention_mask, t, s, query.device)
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        logits = logits + attention_mask[..., :s]  # additive, as transformers' eager path does
+    else:
+        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    compute = torch.promote_types(query.dtype, torch.float32)
+    weights = torch.softmax(logits, dim=-1, dtype=compute)
     if sinks is not None:
-        sink_col = sinks.to(dtype).view(1, hq, 1, 1).expand(b, hq, t, 1)
-        logits = torch.cat([logits, sink_col], dim=-1)  # the sink is one more softmax slot
-    row_max = logits.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # empty rows
-    exp = torch.exp(logits - row_max)
-    denom = exp.sum(dim=-1, keepdim=True)
-    weights = exp / torch.where(denom > 0, denom, torch.ones_like(denom))
-    if sinks is not None:
-        weights = weights[..., :-1]  # the sink's value is zero: drop its column
+        lse = torch.logsumexp(logits.to(compute), dim=-1, keepdim=True)  # [B, HQ, T, 1]
+        # g = 1 - a_sink rather than sigmoid(lse - s): with a tiny sink the forward still rounds
+        # to exactly 1.0, but the gradient (through a_sink, not through the rounded g) survives.
+        a_sink = torch.sigmoid(sinks.to(compute).view(1, hq, 1, 1) - lse)
+        weights = weights * (1.0 - a_sink)
+    weights = weights.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0).to(query.dtype)  # empty rows
     if dropout > 0.0 and training:
         weights = F.dropout(weights, p=dropout, training=True)
     out = torch.matmul(weights, v)  # [B, HQ, T, D]
-    return out.transpose(1, 2).contiguous().to(query.dtype), weights.to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights
 
 
 def sdpa_sink_attention(
@@ -105,35 +111,40 @@ def sdpa_sink_attention(
 ) -> tuple[torch.Tensor, None]:
     """Fused SDPA attention honouring sinks; returns ``(out [B, T, HQ, D], None)``.
 
-    The sink is appended as a virtual key: every query gains a constant coordinate 1, every
-    real key a 0 and the virtual key ``s_h / scaling`` there (zeros elsewhere), so its logit is
-    exactly ``s_h``; its value is zero. Only rows' masks need one more always-allowed column.
+    ``out = (1 - a_sink) * sdpa(q, k, v)`` (seed 004 §5: real-token weights are the dense
+    ones times ``g = 1 - a_sink``). The dense part is exactly the call transformers' own SDPA
+    path makes, so a converted model whose sinks are negligible (``a_sink`` below fp32
+    resolution, hence ``g == 1.0``) reproduces its source bit for bit. ``a_sink`` comes from a
+    second SDPA call in which the sink is a virtual key (every query gains a constant
+    coordinate 1, real keys a 0 and the virtual key ``s_h / scaling``, so its logit is exactly
+    ``s_h``) with value 1 and the real keys value 0.
     """
     b, hq, t, d = query.shape
     s = key.shape[2]
     k = expand_kv(key, hq)
     v = expand_kv(value, hq)
-    if sinks is None:
-        mask = None if attention_mask is None else allowed_mask(attention_mask, t, s, query.device)
-        out = F.scaled_dot_product_attention(
-            query, k, v, attn_mask=mask, dropout_p=dropout if training else 0.0,
-            is_causal=mask is None and t > 1, scale=scaling,
-        )
-    else:
-        ones = query.new_ones(b, hq, t, 1)
-        q_ext = torch.cat([query, ones], dim=-1)  # [B, HQ, T, D+1]
+    # SDPA's is_causal is top-left aligned: only usable when queries and keys coincide.
+    implicit_causal = attention_mask is None and (t == s or t == 1)
+    mask = None if implicit_causal else allowed_mask(attention_mask, t, s, query.device)
+    dropout_p = dropout if training else 0.0
+    if sinks is not None and dropout_p > 0.0:
+        raise ValueError("sdpa_sink_attention: dropout with sinks is not supported; use the eager path")
+    out = F.scaled_dot_product_attention(
+        query, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and t > 1, scale=scaling
+    )
+    if sinks is not None:
+        q_ext = torch.cat([query, query.new_ones(b, hq, t, 1)], dim=-1)  # [B, HQ, T, D+1]
         sink_coord = (sinks.to(key.dtype) / scaling).view(1, hq, 1, 1).expand(b, hq, 1, 1)
         sink_key = torch.cat([key.new_zeros(b, hq, 1, d), sink_coord], dim=-1)  # [B, HQ, 1, D+1]
         k_ext = torch.cat([torch.cat([k, k.new_zeros(b, hq, s, 1)], dim=-1), sink_key], dim=2)  # [B, HQ, S+1, D+1]
-        v_ext = torch.cat([v, v.new_zeros(b, hq, 1, v.shape[-1])], dim=2)  # [B, HQ, S+1, Dv]
+        sink_only = torch.cat([v.new_zeros(b, hq, s, 1), v.new_ones(b, hq, 1, 1)], dim=2)  # [B, HQ, S+1, 1]
         allowed = allowed_mask(attention_mask, t, s, query.device)
         allowed = torch.cat([allowed.expand(allowed.shape[0], 1, t, s), allowed.new_ones(allowed.shape[0], 1, t, 1)], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q_ext, k_ext, v_ext, attn_mask=allowed, dropout_p=dropout if training else 0.0, scale=scaling
-        )
-    if attention_mask is not None:
+        a_sink = F.scaled_dot_product_attention(q_ext, k_ext, sink_only, attn_mask=allowed, scale=scaling)  # [B, HQ, T, 1]
+        out = out * (1.0 - a_sink)
+    if mask is not None:
         # SDPA returns a uniform mix (or NaN) for rows with no allowed key; the contract is zeros.
-        empty = ~allowed_mask(attention_mask, t, s, query.device).any(dim=-1, keepdim=True)  # [B|1, 1, T, 1]
+        empty = ~mask.any(dim=-1, keepdim=True)  # [B|1, 1, T, 1]
         out = out.masked_fill(empty, 0.0)
     return out.transpose(1, 2).contiguous(), None
 

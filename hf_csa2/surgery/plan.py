@@ -46,7 +46,7 @@ class SinksPlan:
     """Add one learnable sink logit per query head."""
 
     init: str = "calibrated"  # "calibrated": just below every calibration row's logsumexp; "off": -1e4
-    margin: float = 20.0  # calibrated sinks sit this far (in nats) below the smallest logsumexp seen
+    margin: float = 24.0  # calibrated sinks sit this far (in nats) below the smallest logsumexp seen
 
 
 @dataclass

@@ -127,13 +127,25 @@ def test_flash_attention_is_refused():
         model.set_attn_implementation("flash_attention_2")
 
 
+def test_calibrated_sinks_have_a_gradient():
+    from hf_csa2.surgery.sinks import calibrate_sinks
+
+    model = with_sinks(tiny_model("llama"))
+    x = ids()
+    calibrate_sinks(model, x)  # exact init: output unchanged ...
+    loss = model(x).logits.square().mean()
+    loss.backward()
+    grads = torch.stack([layer.self_attn.sinks.grad.abs().max() for layer in model.model.layers])
+    assert (grads > 0).all()  # ... but not frozen, unlike a -1e4 sink
+
+
 def test_sinks_are_trainable_and_act_as_the_gate():
     """Train only the sinks; they move, the output changes, and the change is exactly the
     seed-004 gate sigma(lse - s) applied to each head's dense output."""
     model = with_sinks(tiny_model("llama"))
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.sinks.fill_(-6.0)  # "almost off" but with a live gradient
+            layer.self_attn.sinks.fill_(-6.0)  # opened: small effect, live gradient
     x = ids()
     before = model(x).logits.detach()
     params = [layer.self_attn.sinks for layer in model.model.layers]
