@@ -52,7 +52,7 @@ def tiny_model(arch: str, seed: int = 0, **kwargs):
 
 def tiny_tokenizer():
     """A character-level fast tokenizer (ids 4.. are printable ASCII and newline), no downloads."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = [chr(c) for c in range(32, 127)] + ["\n"]

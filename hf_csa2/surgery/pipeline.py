@@ -234,4 +234,4 @@ def save_checkpoint(model, tokenizer, out_dir, *, overwrite: bool = False, extra
     return out
 
 
-__all__ = ["ConversionResult", "OutputExistsError", "StageReport", "convert", "save_checkpoint", "to_csa2", "to_native"]
+__all__ = ["ConversionResult", "OutputExistsError", "StageReport", "convert", "format_report_table", "save_checkpoint"]

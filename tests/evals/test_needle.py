@@ -4,10 +4,10 @@ prove the construction (an oracle scores 100%, a distractor-picker 0%)."""
 import re
 
 import pytest
+from tiny_models import tiny_tokenizer
 
 from hf_csa2.evals.needle import CATEGORIES, generate_samples, read_jsonl, score_output, write_jsonl
 from hf_csa2.evals.needle_eval import format_markdown, generate_answers, score_records, write_reports
-from tiny_models import tiny_tokenizer
 
 WORDS = ("parser buffer socket thread module import syntax value object method class string list "
          "number module error handler stream codec format").split()

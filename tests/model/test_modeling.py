@@ -8,13 +8,13 @@ import textwrap
 
 import pytest
 import torch
+from tiny_models import ARCHS, VOCAB, tiny_model
 from transformers import AutoModelForCausalLM
 
 import hf_csa2  # noqa: F401  (registers the Auto classes)
 from hf_csa2.model import Csa2ForCausalLM
 from hf_csa2.surgery.gqa import apply_gqa
 from hf_csa2.surgery.sinks import add_sinks
-from tiny_models import ARCHS, VOCAB, tiny_model
 
 
 def with_sinks(model, values=None, kv_heads=None):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_tiny_source, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import hf_csa2
@@ -15,7 +16,6 @@ from hf_csa2.cli import main as cli_main
 from hf_csa2.surgery.pipeline import OutputExistsError, convert
 from hf_csa2.surgery.plan import PlanError
 from hf_csa2.surgery.sources import SourceError
-from tiny_models import save_tiny_source, tiny_tokenizer
 
 TEXT = " ".join(
     f"Section {i}: the parser reads token {i * 7 % 13} and writes value {i * 3 % 11} to the buffer."

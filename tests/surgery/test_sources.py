@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
@@ -23,7 +24,6 @@ from hf_csa2.surgery.sources import (
     resolve_alias,
     resolve_source,
 )
-from tiny_models import VOCAB, tiny_model
 
 SMOL = ALIASES["smollm2-135m"]
 
