@@ -4,6 +4,7 @@
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
     hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]
+    hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .surgery.plan import GQA_INITS, PlanError
 
@@ -121,6 +123,22 @@ def _eval_lm(args) -> int:
     print(summarise(results))
     if args.json:
         write_results(results, args.json)
+    return 0
+
+
+def _bench(args) -> int:
+    from .evals.bench import bench, format_bench_table
+    from .surgery.sources import load_source
+
+    lengths = _int_list(args.lengths, "--lengths")
+    models = [(name, load_source(name).model) for name in args.models]  # all resident: measurements interleave
+    try:
+        rows = bench(models, lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch=args.batch, log=_log)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
+    print(format_bench_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
     return 0
 
 
@@ -235,6 +253,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--apply-chat-template", action="store_true")
     p.add_argument("--json", help="write the results JSON here")
     p.set_defaults(func=_eval_lm)
+
+    p = sub.add_parser("bench", help="prefill / TTFT / decode / peak RSS / KV bytes, models interleaved in one process")
+    p.add_argument("models", nargs="+", help="models (folders, sources or aliases); ratios are to the first")
+    p.add_argument("--lengths", default="2048,4096,8192", help="prompt lengths in tokens")
+    p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per measurement")
+    p.add_argument("--repeats", type=int, default=3, help="medians over this many interleaved repeats")
+    p.add_argument("--batch", type=int, default=1, help="concurrent sequences")
+    p.add_argument("--json", help="write every run and the medians here")
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("inspect", help="per-layer attention kinds and measured KV-cache size")
     p.add_argument("model")

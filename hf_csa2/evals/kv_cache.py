@@ -40,14 +40,22 @@ def config_kv_elements_per_token(config) -> int:
     return sum(2 * spec["num_key_value_heads"] * d for spec in layer_attention_specs(config))
 
 
-def live_cache_elements(cache) -> int:
-    """Total elements of all tensors held by a transformers Cache object (per layer)."""
-    total = 0
+def cache_tensors(cache):
+    """Every tensor (dim > 1) held by the layers of a transformers Cache object."""
     for layer in getattr(cache, "layers", []):
         for value in vars(layer).values():
             if isinstance(value, torch.Tensor) and value.dim() > 1:
-                total += value.numel()
-    return total
+                yield value
+
+
+def live_cache_elements(cache) -> int:
+    """Total elements of all tensors held by a transformers Cache object (per layer)."""
+    return sum(t.numel() for t in cache_tensors(cache))
+
+
+def live_cache_bytes(cache) -> int:
+    """Total bytes of all tensors held by a transformers Cache object."""
+    return sum(t.numel() * t.element_size() for t in cache_tensors(cache))
 
 
 def shortest_window(config) -> int | None:
@@ -75,4 +83,4 @@ def measure_kv_elements_per_token(model, num_tokens: int = 16) -> float:
     return live_cache_elements(out.cache) / num_tokens
 
 
-__all__ = ["config_kv_elements_per_token", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]
+__all__ = ["cache_tensors", "config_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]

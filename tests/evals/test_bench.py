@@ -1,0 +1,42 @@
+"""Cost benchmark on tiny models: fields, interleaving, KV bytes equal to the config figure."""
+
+import json
+
+import pytest
+from tiny_models import save_tiny_source, tiny_model
+
+from hf_csa2.cli import main as cli_main
+from hf_csa2.evals.bench import bench, format_bench_table
+from hf_csa2.evals.kv_cache import config_kv_elements_per_token
+from hf_csa2.surgery.gqa import apply_gqa
+
+
+def test_bench_rows_and_kv_bytes_match_config():
+    src = tiny_model("llama")
+    mqa = apply_gqa(src, 1, "mean")
+    rows = bench([("src", src), ("mqa", mqa)], [24, 40], new_tokens=3, repeats=2, batch=2)
+    assert [(r["length"], r["model"]) for r in rows] == [(24, "src"), (24, "mqa"), (40, "src"), (40, "mqa")]
+    for r, model in zip(rows, [src, mqa, src, mqa]):
+        assert len(r["runs"]) == 2 and r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0
+        per_token = config_kv_elements_per_token(model.config)
+        assert r["kv_elements"] == per_token * r["cached_tokens"] * 2  # batch 2
+        assert r["kv_bytes"] == r["kv_elements"] * 4  # fp32
+    assert rows[1]["kv_bytes_ratio"] == pytest.approx(0.5)  # 2 KV heads -> 1
+    assert rows[0]["prefill_s_ratio"] == 1.0
+    assert "| 24 | mqa |" in format_bench_table(rows)
+
+
+def test_bench_refuses_mixed_dtypes():
+    import torch
+
+    with pytest.raises(ValueError, match="dtypes"):
+        bench([("a", tiny_model("llama")), ("b", tiny_model("llama").to(torch.bfloat16))], [8], repeats=1)
+
+
+def test_bench_cli(tmp_path):
+    save_tiny_source("qwen3", tmp_path / "m")
+    code = cli_main(["bench", str(tmp_path / "m"), str(tmp_path / "m"), "--lengths", "16", "--new-tokens", "2",
+                     "--repeats", "1", "--json", str(tmp_path / "b.json")])
+    assert code == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert len(rows) == 2 and rows[1]["kv_bytes_ratio"] == 1.0
