@@ -4,6 +4,7 @@
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
     hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]
+    hf-csa2 eval report ORIGINAL CONVERTED [...] --out DIR
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
 """
@@ -126,6 +127,27 @@ def _eval_lm(args) -> int:
     return 0
 
 
+def _eval_report(args) -> int:
+    from .evals.report import ReportSettings, write_report
+    from .surgery.sources import load_source
+
+    settings = ReportSettings(
+        text=args.text, window=args.window, max_windows=args.max_windows,
+        needle_lengths=_int_list(args.needle_lengths, "--needle-lengths"),
+        needle_depths=_float_list(args.needle_depths, "--needle-depths"), per_cell=args.per_cell, seed=args.seed,
+        chat_template=not args.no_chat_template, bench_lengths=_int_list(args.bench_lengths, "--bench-lengths"),
+        bench_repeats=args.repeats,
+    )
+    loaded = [load_source(name) for name in args.models]
+    models = [(name, src.model, src.tokenizer) for name, src in zip(args.models, loaded)]
+    try:
+        path = write_report(models, args.out, settings, command="hf-csa2 " + " ".join(args.argv), log=_log)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
+    print(path.read_text())
+    return 0
+
+
 def _bench(args) -> int:
     from .evals.bench import bench, format_bench_table
     from .surgery.sources import load_source
@@ -243,6 +265,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export-jsonl", help="also write the samples as JSONL (lm-eval task data)")
     p.set_defaults(func=_eval_needle)
 
+    p = ev.add_parser("report", help="one markdown report: ppl, needle capabilities and cost, original vs converted")
+    p.add_argument("models", nargs="+", help="ORIGINAL CONVERTED [...]: the first is the reference")
+    p.add_argument("--out", required=True)
+    p.add_argument("--text", default="python-docs:heldout")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--max-windows", type=int, default=8)
+    p.add_argument("--needle-lengths", default="1024,2048")
+    p.add_argument("--needle-depths", default="0,0.5,1")
+    p.add_argument("--per-cell", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-chat-template", action="store_true")
+    p.add_argument("--bench-lengths", default="1024,2048")
+    p.add_argument("--repeats", type=int, default=1)
+    p.set_defaults(func=_eval_report)
+
     p = ev.add_parser("lm", help="lm-eval tasks in-process (HFLM over the loaded model)")
     p.add_argument("model")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (ours: hf_csa2_needle)")
@@ -272,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # recorded in reports so they can be reproduced
     from .data.corpus import CorpusError
     from .surgery.pipeline import OutputExistsError
     from .surgery.sources import SourceError
