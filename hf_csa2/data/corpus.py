@@ -39,6 +39,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..cache import cache_dir
+
 PACKAGE = "python3.11-doc"
 _SOURCES_IN_DEB = Path("usr/share/doc/python3.11/html/_sources")
 HELDOUT_SUBDIR = "library"
@@ -66,12 +68,6 @@ class CorpusError(RuntimeError):
 # offline, `apt-get update` can take minutes to time out, and test suites ask
 # for the corpus many times.
 _FETCH_FAILURES: dict[Path, CorpusError] = {}
-
-
-def cache_dir() -> Path:
-    """Root of the hf_csa2 cache: ``$HF_CSA2_CACHE`` or ``~/.cache/hf_csa2``."""
-    env = os.environ.get("HF_CSA2_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "hf_csa2"
 
 
 def _corpus_home() -> Path:

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..cache import cache_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -62,14 +64,6 @@ class LoadedSource:
     name: str  # what the user passed
     kind: str  # "alias" | "dir" | "gguf" | "hub"
     path: Path  # resolved local file or folder
-
-
-def cache_dir() -> Path:
-    """Root of the hf_csa2 cache: ``$HF_CSA2_CACHE`` or ``~/.cache/hf_csa2`` (created)."""
-    env = os.environ.get("HF_CSA2_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "hf_csa2"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 # --------------------------------------------------------------------------- aliases
