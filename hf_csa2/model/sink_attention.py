@@ -49,6 +49,23 @@ def expand_kv(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def masked_logits(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                  scaling: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled (soft-capped) logits [B, HQ, T, S] with masked entries at dtype-min, computed as
+    transformers' eager path does (an additive float mask is added), and the bool mask of
+    allowed entries [B|1, 1, T, S]."""
+    t, s = query.shape[2], key.shape[2]
+    logits = torch.matmul(query, expand_kv(key, query.shape[1]).transpose(-1, -2)) * scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    allowed = allowed_mask(attention_mask, t, s, query.device)
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        logits = logits + attention_mask[..., :s]
+    else:
+        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
+    return logits, allowed
+
+
 def eager_sink_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -71,18 +88,9 @@ def eager_sink_attention(
     Returns ``(out [B, T, HQ, D], weights [B, HQ, T, S])``; the weights are the real-token
     weights (rows sum to ``g``).
     """
-    b, hq, t, _ = query.shape
-    s = key.shape[2]
-    k = expand_kv(key, hq)
+    hq = query.shape[1]
+    logits, allowed = masked_logits(query, key, attention_mask, scaling=scaling, softcap=softcap)
     v = expand_kv(value, hq)
-    logits = torch.matmul(query, k.transpose(-1, -2)) * scaling  # [B, HQ, T, S]
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    allowed = allowed_mask(attention_mask, t, s, query.device)
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        logits = logits + attention_mask[..., :s]  # additive, as transformers' eager path does
-    else:
-        logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
     compute = torch.promote_types(query.dtype, torch.float32)
     weights = torch.softmax(logits, dim=-1, dtype=compute)
     if sinks is not None:
@@ -149,4 +157,4 @@ def sdpa_sink_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "sdpa_sink_attention"]
+__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "masked_logits", "sdpa_sink_attention"]

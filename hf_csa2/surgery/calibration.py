@@ -36,6 +36,13 @@ def run_with_attention_hooks(model: nn.Module, windows: torch.Tensor, attach: Ca
             h.remove()
 
 
+def augmented_moment(hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [..., d] -> float64 [d+1, d+1] mean of x~ x~^T with x~ = [x, 1]."""
+    x = hidden.reshape(-1, hidden.shape[-1]).double()
+    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+    return x.T @ x / x.shape[0]
+
+
 @torch.no_grad()
 def attention_input_moments(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> list[torch.Tensor]:
     """Per-layer second moments of the attention input, augmented with a constant 1.
@@ -53,10 +60,9 @@ def attention_input_moments(model: nn.Module, windows: torch.Tensor, batch_size:
     def make_hook(i):
         def hook(module, args, kwargs):
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            x = x.reshape(-1, x.shape[-1]).double()
-            x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)  # [N, d+1]
-            sums[i] += x.T @ x
-            counts[i] += x.shape[0]
+            n = x.shape[:-1].numel()
+            sums[i] += augmented_moment(x) * n
+            counts[i] += n
 
         return hook
 
@@ -66,4 +72,4 @@ def attention_input_moments(model: nn.Module, windows: torch.Tensor, batch_size:
     return [s / max(c, 1) for s, c in zip(sums, counts)]
 
 
-__all__ = ["attention_input_moments", "decoder_layers", "run_with_attention_hooks"]
+__all__ = ["attention_input_moments", "augmented_moment", "decoder_layers", "run_with_attention_hooks"]

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibration import decoder_layers
-from .layerwise import augmented_moment, calibrate_layerwise, refit_output_projection, source_attention_outputs
+from .calibration import augmented_moment, decoder_layers
+from .layerwise import calibrate_layerwise, refit_output_projection, source_attention_outputs
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -123,14 +123,12 @@ def merge_kv_heads(
     new_k, new_v = [], []
     for members in head_groups(num_q_heads, old_kv_heads, new_kv_heads):
         old_heads = sorted({j for _, j in members})
-        if method == "mean" or (method == "calibrated" and not rope_aware_keys):
-            counts = torch.tensor([sum(1 for _, j in members if j == h) for h in old_heads], dtype=torch.float64)
-            new_k.append((k[old_heads] * counts[:, None, None]).sum(0) / counts.sum())
+        if method == "mean" or not rope_aware_keys:
+            new_k.append(_reader_weighted_mean(k, members, old_heads))
         else:
             new_k.append(_rope_aware_key_merge(q, k, members, old_heads, moment, new_q))
         if method == "mean":
-            counts = torch.tensor([sum(1 for _, j in members if j == h) for h in old_heads], dtype=torch.float64)
-            new_v.append((v[old_heads] * counts[:, None, None]).sum(0) / counts.sum())
+            new_v.append(_reader_weighted_mean(v, members, old_heads))
         else:
             new_v.append(_value_pca_merge(v, o, members, old_heads, moment))
     q_w, q_b = _split(new_q.reshape(num_q_heads * D, -1), weights.q_w, weights.q_b)
@@ -138,6 +136,12 @@ def merge_kv_heads(
     v_w, v_b = _split(torch.stack(new_v).reshape(new_kv_heads * D, -1), weights.v_w, weights.v_b)
     o_w = o.reshape(weights.o_w.shape).to(weights.o_w.dtype).contiguous()
     return AttentionWeights(q_w, k_w, v_w, o_w, q_b, k_b, v_b)
+
+
+def _reader_weighted_mean(rows: torch.Tensor, members, old_heads) -> torch.Tensor:
+    """Mean of the old heads' rows [H, D, d+1], each weighted by how many query heads read it."""
+    counts = torch.tensor([sum(1 for _, j in members if j == h) for h in old_heads], dtype=torch.float64)
+    return (rows[old_heads] * counts[:, None, None]).sum(0) / counts.sum()
 
 
 def _to_complex(rows: torch.Tensor) -> torch.Tensor:

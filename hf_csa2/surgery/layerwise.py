@@ -53,13 +53,6 @@ def calibrate_layerwise(model, windows: torch.Tensor, fit_layer: Callable) -> li
     return [results[i] for i in range(len(results))]
 
 
-def augmented_moment(hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [..., d] -> float64 [d+1, d+1] mean of x~ x~^T with x~ = [x, 1]."""
-    x = hidden.reshape(-1, hidden.shape[-1]).double()
-    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
-    return x.T @ x / x.shape[0]
-
-
 @torch.no_grad()
 def refit_output_projection(attn, hidden: torch.Tensor, attn_kwargs: dict, target: torch.Tensor,
                             ridge: float = 0.3) -> dict[str, float]:
@@ -89,4 +82,4 @@ def refit_output_projection(attn, hidden: torch.Tensor, attn_kwargs: dict, targe
     return {"rel_err_before": before, "rel_err_after": after}
 
 
-__all__ = ["augmented_moment", "calibrate_layerwise", "refit_output_projection", "source_attention_outputs"]
+__all__ = ["calibrate_layerwise", "refit_output_projection", "source_attention_outputs"]

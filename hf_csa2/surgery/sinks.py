@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..model.modeling_hf_csa2 import SINK_OFF, Csa2Attention
-from ..model.sink_attention import allowed_mask, expand_kv
+from ..model.sink_attention import masked_logits
 from .calibration import run_with_attention_hooks
 from .rebuild import is_csa2, native_specs, to_csa2
 
@@ -49,13 +49,11 @@ def min_logsumexp_per_head(model, windows: torch.Tensor, batch_size: int = 2) ->
     def hook(module: Csa2Attention, args, kwargs, _output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         q, k, _ = module.project(hidden, kwargs["position_embeddings"])
-        t = q.shape[2]
-        logits = torch.matmul(q.double(), expand_kv(k, q.shape[1]).double().transpose(-1, -2)) * module.scaling
-        if module.softcap is not None:
-            logits = module.softcap * torch.tanh(logits / module.softcap)
-        logits = logits.masked_fill(~allowed_mask(kwargs.get("attention_mask"), t, t, q.device), float("-inf"))
+        logits, allowed = masked_logits(q.double(), k.double(), kwargs.get("attention_mask"),
+                                        scaling=module.scaling, softcap=module.softcap)
         lse = torch.logsumexp(logits, dim=-1)  # [B, HQ, T]
-        lse = lse.masked_fill(~torch.isfinite(lse), float("inf")).amin(dim=(0, 2))  # [HQ]
+        empty_row = ~allowed.any(dim=-1).expand_as(lse)  # e.g. left padding: no real query there
+        lse = lse.masked_fill(empty_row, float("inf")).amin(dim=(0, 2))  # [HQ]
         prev = found.get(module.layer_idx)
         found[module.layer_idx] = lse if prev is None else torch.minimum(prev, lse)
 
