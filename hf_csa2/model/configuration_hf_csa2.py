@@ -8,7 +8,11 @@ and masks), plus two fields of ours:
   ``"qwen2"``, ``"qwen3"``, ``"mistral"``, ``"gemma3_text"``). The modeling code builds that
   architecture and swaps only the attention modules.
 * ``attention_layers`` -- one spec dict per decoder layer describing its attention, e.g.
-  ``{"kind": "dense", "num_key_value_heads": 1, "sinks": True}``.
+  ``{"kind": "dense", "num_key_value_heads": 1, "sinks": True}`` or
+  ``{"kind": "mla", "num_key_value_heads": 3, "kv_lora_rank": 64, "rope_pairs": [[0, 1], ...], "sinks": False}``
+  (multi-head latent attention: see ``latent_attention.py``).
+* ``mla_attention_path`` -- how MLA layers compute: ``"auto"`` (explicit up-projection for
+  prefill, absorbed for one-token decode steps), ``"explicit"`` or ``"absorbed"``.
 
 This file must import only torch/transformers and its siblings: it is copied next to the
 weights so that ``trust_remote_code=True`` loads a checkpoint without hf_csa2 installed.
@@ -22,7 +26,9 @@ from typing import Any
 from transformers import AutoConfig, PreTrainedConfig
 
 SUPPORTED_BASE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
-ATTENTION_KINDS = ("dense",)
+ATTENTION_KINDS = ("dense", "mla")
+QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
+MLA_ATTENTION_PATHS = ("auto", "explicit", "absorbed")
 
 # Keys of ours or of the serialisation machinery; everything else in the flattened dict
 # belongs to the base architecture's config.
@@ -31,6 +37,7 @@ _OWN_KEYS = frozenset(
         "model_type",
         "base_model_type",
         "attention_layers",
+        "mla_attention_path",
         "auto_map",
         "architectures",
         "transformers_version",
@@ -41,29 +48,60 @@ _OWN_KEYS = frozenset(
 )
 
 
-def validate_attention_spec(spec: dict[str, Any], layer_idx: int, num_attention_heads: int) -> dict[str, Any]:
+def validate_attention_spec(spec: dict[str, Any], layer_idx: int, num_attention_heads: int,
+                            head_dim: int | None = None, qk_norm: bool = False) -> dict[str, Any]:
     """Check one per-layer attention spec and return it with defaults filled in.
 
     Raises ``ValueError`` naming the layer, the field and the allowed values.
     """
+    where = f"attention_layers[{layer_idx}]"
     if not isinstance(spec, dict):
-        raise ValueError(f"attention_layers[{layer_idx}] must be a mapping, got {type(spec).__name__}")
+        raise ValueError(f"{where} must be a mapping, got {type(spec).__name__}")
     spec = dict(spec)
     kind = spec.setdefault("kind", "dense")
     if kind not in ATTENTION_KINDS:
-        raise ValueError(f"attention_layers[{layer_idx}].kind={kind!r}; allowed: {', '.join(ATTENTION_KINDS)}")
+        raise ValueError(f"{where}.kind={kind!r}; allowed: {', '.join(ATTENTION_KINDS)}")
     kv_heads = spec.get("num_key_value_heads")
     if not isinstance(kv_heads, int) or kv_heads < 1 or num_attention_heads % kv_heads:
         divisors = [d for d in range(1, num_attention_heads + 1) if num_attention_heads % d == 0]
         raise ValueError(
-            f"attention_layers[{layer_idx}].num_key_value_heads={kv_heads!r} must divide "
+            f"{where}.num_key_value_heads={kv_heads!r} must divide "
             f"num_attention_heads={num_attention_heads}; allowed: {divisors}"
         )
     spec["sinks"] = bool(spec.get("sinks", False))
-    unknown = set(spec) - {"kind", "num_key_value_heads", "sinks"}
+    allowed_keys = {"kind", "num_key_value_heads", "sinks"}
+    if kind == "mla":
+        allowed_keys |= {"kv_lora_rank", "rope_pairs"}
+        _validate_mla(spec, where, kv_heads, head_dim, qk_norm)
+    unknown = set(spec) - allowed_keys
     if unknown:
-        raise ValueError(f"attention_layers[{layer_idx}] has unknown keys {sorted(unknown)}")
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed for kind={kind!r}: {sorted(allowed_keys)}")
     return spec
+
+
+def _validate_mla(spec: dict, where: str, kv_heads: int, head_dim: int | None, qk_norm: bool) -> None:
+    rank = spec.get("kv_lora_rank")
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{where}.kv_lora_rank={rank!r} must be an integer >= 1")
+    pairs = spec.get("rope_pairs")
+    if not isinstance(pairs, list) or len(pairs) not in (1, kv_heads) or not all(isinstance(p, list) for p in pairs):
+        raise ValueError(
+            f"{where}.rope_pairs must be a list of pair-index lists, one per KV head ({kv_heads}) "
+            f"or one shared by all heads (1)"
+        )
+    if qk_norm and len(pairs) == 1 and kv_heads > 1:
+        raise ValueError(
+            f"{where}.rope_pairs: a QK-norm source normalises each key head separately, so the rope key "
+            f"cannot be shared by {kv_heads} KV heads; give one list per KV head"
+        )
+    sizes = {len(p) for p in pairs}
+    if len(sizes) != 1:
+        raise ValueError(f"{where}.rope_pairs lists must all have the same length, got sizes {sorted(sizes)}")
+    half = None if head_dim is None else head_dim // 2
+    for p in pairs:
+        if len(set(p)) != len(p) or any(not isinstance(i, int) or i < 0 or (half is not None and i >= half) for i in p):
+            raise ValueError(f"{where}.rope_pairs entries must be distinct pair indices in [0, {half}); got {p}")
+    spec["rope_pairs"] = [sorted(p) for p in pairs]
 
 
 class Csa2Config(PreTrainedConfig):
@@ -74,6 +112,7 @@ class Csa2Config(PreTrainedConfig):
 
     base_model_type: str = "llama"
     attention_layers: list | None = None
+    mla_attention_path: str = "auto"
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -93,9 +132,13 @@ class Csa2Config(PreTrainedConfig):
                     f"attention_layers has {len(self.attention_layers)} entries; "
                     f"num_hidden_layers={num_layers} requires one per layer"
                 )
+            head_dim = getattr(self, "head_dim", None) or (self.hidden_size // num_heads)
+            qk_norm = self.base_model_type in QK_NORM_BASE_MODEL_TYPES
             self.attention_layers = [
-                validate_attention_spec(s, i, num_heads) for i, s in enumerate(self.attention_layers)
+                validate_attention_spec(s, i, num_heads, head_dim, qk_norm) for i, s in enumerate(self.attention_layers)
             ]
+        if self.mla_attention_path not in MLA_ATTENTION_PATHS:
+            raise ValueError(f"mla_attention_path={self.mla_attention_path!r}; allowed: {', '.join(MLA_ATTENTION_PATHS)}")
 
     @classmethod
     def from_base_config(cls, base_config: PreTrainedConfig, attention_layers: list[dict]) -> "Csa2Config":
@@ -122,4 +165,4 @@ class Csa2Config(PreTrainedConfig):
         return all(s["kind"] == "dense" and not s["sinks"] for s in self.attention_layers) and len(kv) == 1
 
 
-__all__ = ["Csa2Config", "SUPPORTED_BASE_MODEL_TYPES", "validate_attention_spec"]
+__all__ = ["Csa2Config", "MLA_ATTENTION_PATHS", "QK_NORM_BASE_MODEL_TYPES", "SUPPORTED_BASE_MODEL_TYPES", "validate_attention_spec"]

@@ -2,9 +2,10 @@
 
 One code path for every supported source architecture: build the source causal LM from
 transformers (Llama, Qwen2, Qwen3, Mistral, Gemma3) and swap each decoder layer's attention
-module for :class:`Csa2Attention`, which adopts the source module's projections and norms
-(same parameter names, so state dicts line up) and adds what the layer spec asks for:
-a different number of KV heads and per-head sink logits.
+module for one of ours, which adopts the source module's projections and norms (same
+parameter names, so state dicts line up) and adds what the layer spec asks for: a different
+number of KV heads and per-head sink logits (:class:`Csa2Attention`), or multi-head latent
+attention (:class:`Csa2LatentAttention`).
 
 Self-contained: imports only torch, transformers and sibling files, so ``save_pretrained``
 can copy it next to the weights for ``trust_remote_code=True``.
@@ -19,30 +20,15 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils.generic import can_return_tuple
 
+from .attention_base import SINK_OFF, Csa2AttentionBase, apply_rotary
 from .configuration_hf_csa2 import Csa2Config
-from .sink_attention import eager_sink_attention, sdpa_sink_attention
-
-# A sink this far below any row's logsumexp contributes exp(-1e4) == 0 in fp32: "no sink".
-SINK_OFF = -1.0e4
-SINK_CAPABLE_IMPLEMENTATIONS = ("eager", "sdpa")
+from .latent_attention import Csa2LatentAttention
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """RoPE in transformers' half-split layout. q/k [B, H, T, D]; cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-class Csa2Attention(nn.Module):
+class Csa2Attention(Csa2AttentionBase):
     """Dense softmax attention with a per-layer KV-head count and optional per-head sinks.
 
     Built from a source attention module (e.g. ``LlamaAttention`` or ``Gemma3Attention``)
@@ -99,50 +85,16 @@ class Csa2Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
 
-        impl = self.config._attn_implementation or "eager"
-        dropout = self.attention_dropout if self.training else 0.0
-        if impl == "eager":
-            out, weights = eager_sink_attention(
-                q, k, v, attention_mask, scaling=self.scaling, sinks=self.sinks,
-                softcap=self.softcap, dropout=dropout, training=self.training,
-            )
-        elif impl == "sdpa" and self.softcap is None:
-            out, weights = sdpa_sink_attention(
-                q, k, v, attention_mask, scaling=self.scaling, sinks=self.sinks,
-                dropout=dropout, training=self.training,
-            )
-        else:
-            if self.sinks is not None or self.softcap is not None:
-                raise ValueError(
-                    f"attn_implementation={impl!r} cannot honour this layer's "
-                    f"{'sink logits' if self.sinks is not None else 'logit soft-capping'}; "
-                    f"allowed: {', '.join(SINK_CAPABLE_IMPLEMENTATIONS)}"
-                )
-            attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
-            out, weights = attention(
-                self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling,
-                sliding_window=self.sliding_window, **kwargs,
-            )
+        out, weights = self.attend(q, k, v, attention_mask, **kwargs)
         return out.reshape(*input_shape, -1).contiguous(), weights
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden_states [B, T, hidden] -> ([B, T, hidden], attention weights or None)."""
-        if cache is None:
-            cache = kwargs.pop("past_key_values", None)
-        out, weights = self.attention_output(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
-        return self.o_proj(out), weights
 
-
-def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_idx: int, spec: dict) -> Csa2Attention:
-    """Create the layer's attention: a fresh source-architecture module with the spec's KV
-    heads (so biases/norms match the source exactly), wrapped as :class:`Csa2Attention`."""
+def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_idx: int, spec: dict) -> Csa2AttentionBase:
+    """Create the layer's attention from the spec: :class:`Csa2Attention` (dense) around a fresh
+    source-architecture module with the spec's KV heads (so biases/norms match the source
+    exactly), or :class:`Csa2LatentAttention` (MLA) adopting the source's query/output side."""
+    if spec["kind"] == "mla":
+        return Csa2LatentAttention(source, config, layer_idx, spec)
     if spec["num_key_value_heads"] != base_config.num_key_value_heads:
         layer_config = copy.deepcopy(base_config)
         layer_config.num_key_value_heads = spec["num_key_value_heads"]
@@ -163,7 +115,7 @@ class Csa2PreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, Csa2Attention) and module.sinks is not None:
+        if isinstance(module, Csa2AttentionBase) and module.sinks is not None:
             init.constant_(module.sinks, SINK_OFF)
 
 
@@ -188,7 +140,7 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
                 module.config = config
         if hasattr(self.model, "_can_record_outputs"):
             recorded = dict(self.model._can_record_outputs or {})
-            recorded["attentions"] = Csa2Attention
+            recorded["attentions"] = Csa2AttentionBase
             self.model._can_record_outputs = recorded
         self.post_init()
 
@@ -241,4 +193,4 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["Csa2Attention", "Csa2ForCausalLM", "Csa2PreTrainedModel", "SINK_OFF"]
+__all__ = ["Csa2Attention", "Csa2AttentionBase", "Csa2ForCausalLM", "Csa2LatentAttention", "Csa2PreTrainedModel", "SINK_OFF"]

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import ARCHS, VOCAB, tiny_model
 
-from hf_csa2.model.modeling_hf_csa2 import apply_rotary
+from hf_csa2.model.attention_base import apply_rotary
 from hf_csa2.surgery.calibration import attention_input_moments
 from hf_csa2.surgery.gqa import AttentionWeights, apply_gqa, head_groups, merge_kv_heads
 

@@ -1,0 +1,85 @@
+"""What every hf-csa2 attention module shares: RoPE helpers and the dispatch to an attention
+implementation that honours sink logits.
+
+Self-contained (torch + transformers only): copied next to converted weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .sink_attention import eager_sink_attention, sdpa_sink_attention
+
+# A sink this far below any row's logsumexp contributes exp(-1e4) == 0 in fp32: "no sink".
+SINK_OFF = -1.0e4
+SINK_CAPABLE_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE in transformers' half-split layout. q/k [B, H, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class Csa2AttentionBase(nn.Module):
+    """Base of the attention modules of a converted model.
+
+    Subclasses provide ``attention_output(hidden_states, position_embeddings, attention_mask,
+    cache, **kwargs) -> ([B, T, HQ*D], weights)`` (everything but ``o_proj``) and set
+    ``config``, ``scaling``, ``sinks``, ``softcap``, ``sliding_window``, ``attention_dropout``
+    and ``o_proj``.
+    """
+
+    def attend(self, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Softmax attention (+ sinks) with the configured implementation.
+
+        query [B, HQ, T, Dk], key [B, H, S, Dk], value [B, H', S, Dv] (H and H' divide HQ)
+        -> ([B, T, HQ, Dv], weights or None).
+        """
+        impl = self.config._attn_implementation or "eager"
+        dropout = self.attention_dropout if self.training else 0.0
+        if impl == "eager":
+            return eager_sink_attention(
+                query, key, value, attention_mask, scaling=self.scaling, sinks=self.sinks,
+                softcap=self.softcap, dropout=dropout, training=self.training,
+            )
+        if impl == "sdpa" and self.softcap is None:
+            return sdpa_sink_attention(
+                query, key, value, attention_mask, scaling=self.scaling, sinks=self.sinks,
+                dropout=dropout, training=self.training,
+            )
+        if self.sinks is not None or self.softcap is not None:
+            raise ValueError(
+                f"attn_implementation={impl!r} cannot honour this layer's "
+                f"{'sink logits' if self.sinks is not None else 'logit soft-capping'}; "
+                f"allowed: {', '.join(SINK_CAPABLE_IMPLEMENTATIONS)}"
+            )
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, None)
+        return attention(
+            self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
+            sliding_window=self.sliding_window, **kwargs,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden_states [B, T, hidden] -> ([B, T, hidden], attention weights or None)."""
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)
+        out, weights = self.attention_output(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+        return self.o_proj(out), weights
+
+
+__all__ = ["Csa2AttentionBase", "SINK_CAPABLE_IMPLEMENTATIONS", "SINK_OFF", "apply_rotary", "rotate_half"]
