@@ -98,8 +98,11 @@ def _validate_mla(spec: dict, where: str, kv_heads: int, head_dim: int | None, q
     if len(sizes) != 1:
         raise ValueError(f"{where}.rope_pairs lists must all have the same length, got sizes {sorted(sizes)}")
     half = None if head_dim is None else head_dim // 2
+    mixed = len(pairs) == 1 and kv_heads > 1  # a shared key's slots may repeat a frequency
     for p in pairs:
-        if len(set(p)) != len(p) or any(not isinstance(i, int) or i < 0 or (half is not None and i >= half) for i in p):
+        if (not mixed and len(set(p)) != len(p)) or any(
+            not isinstance(i, int) or i < 0 or (half is not None and i >= half) for i in p
+        ):
             raise ValueError(f"{where}.rope_pairs entries must be distinct pair indices in [0, {half}); got {p}")
     spec["rope_pairs"] = [sorted(p) for p in pairs]
 

@@ -6,10 +6,18 @@ position-free key dims and the values are up-projections of the latent:
 ``k_nope_h = W_UK,h c``, ``v_h = W_UV,h c`` (``kv_b_proj``).
 
 Layout. A source head of width ``D`` in transformers' half-split RoPE layout has ``D/2``
-frequency pairs ``(i, i + D/2)``. ``rope_pairs`` lists, per rope-key head, the pairs that keep
-RoPE; the remaining dims of every query/key head are position-free. There is either one rope
-key per KV head (``len(rope_pairs) == num_key_value_heads``) or one shared by all heads
-(DeepSeek-V3 style, ``len(rope_pairs) == 1``).
+frequency pairs ``(i, i + D/2)``. ``rope_pairs`` lists the frequency (pair index) of each
+complex slot of a rope key. Two layouts:
+
+* one rope key per KV head (``len(rope_pairs) == num_key_value_heads``, or a single KV head):
+  head ``h`` keeps RoPE on the listed pairs of its own key, the other dims are position-free;
+* one rope key shared by several KV heads (``len(rope_pairs) == 1``, DeepSeek-V3 style).
+  Each slot is a complex mix of the KV heads' keys at that slot's frequency (the surgery
+  picks the mixes: RoPE commutes with complex scalars), a frequency may appear in several
+  slots, and query head ``r`` reads slot ``s`` through a complex coefficient
+  ``q_rope_coef[kv(r), s]`` applied to its own pair ``f_s``. What the slots do not capture
+  stays in every head's position-free part, so every dim of every head is position-free
+  there (``D_nope = D``).
 
 Two execution paths with the same outputs:
 
@@ -58,17 +66,17 @@ def rms_norm_gain(norm: nn.Module, dim: int) -> torch.Tensor:
     return norm(probe).float() / (1.0 - eps) ** 0.5
 
 
-def rope_dim_indices(rope_pairs: list[list[int]], head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per rope-key head: the head dims that keep RoPE ([R, 2n], half-split order: first
-    halves of the listed pairs, then their second halves) and the position-free dims
-    ([R, D - 2n], ascending)."""
+def rope_dim_indices(rope_pairs: list[list[int]], head_dim: int, mixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per rope-key head: the head dims whose frequencies the rope slots carry ([R, 2n],
+    half-split order: first halves of the listed pairs, then their second halves) and the
+    position-free dims ([R, D - 2n] ascending; all ``D`` dims for a ``mixed`` shared key)."""
     half = head_dim // 2
     rope, nope = [], []
     for pairs in rope_pairs:
         p = sorted(int(i) for i in pairs)
         dims = p + [i + half for i in p]
         rope.append(dims)
-        nope.append([d for d in range(head_dim) if d not in set(dims)])
+        nope.append(list(range(head_dim)) if mixed else [d for d in range(head_dim) if d not in set(dims)])
     return torch.tensor(rope, dtype=torch.long), torch.tensor(nope, dtype=torch.long)
 
 
@@ -95,9 +103,11 @@ class Csa2LatentAttention(Csa2AttentionBase):
         self.q_norm = getattr(source, "q_norm", None)
         self.k_norm = getattr(source, "k_norm", None)
 
-        rope_dims, nope_dims = rope_dim_indices(spec["rope_pairs"], d)
+        # A rope key shared by several KV heads mixes them: queries then read it through coefficients.
+        self.mixed_rope = len(spec["rope_pairs"]) == 1 and self.num_key_value_heads > 1
+        rope_dims, nope_dims = rope_dim_indices(spec["rope_pairs"], d, self.mixed_rope)
         self.num_rope_heads, self.rope_width = rope_dims.shape  # R, 2n
-        self.nope_width = d - self.rope_width
+        self.nope_width = nope_dims.shape[1]
         group = self.num_heads // self.num_key_value_heads
         kv_of_query = torch.arange(self.num_heads) // group
         rope_of_kv = torch.arange(self.num_key_value_heads) if self.num_rope_heads > 1 else torch.zeros(self.num_key_value_heads, dtype=torch.long)
@@ -111,6 +121,8 @@ class Csa2LatentAttention(Csa2AttentionBase):
         dtype = source.q_proj.weight.dtype
         self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.num_rope_heads * self.rope_width, bias=bias, dtype=dtype)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_key_value_heads * (self.nope_width + d), bias=bias, dtype=dtype)
+        if self.mixed_rope:  # [H, n, (re, im)]
+            self.q_rope_coef = nn.Parameter(torch.zeros(self.num_key_value_heads, self.rope_width // 2, 2, dtype=dtype))
         if spec["sinks"]:
             self.sinks = nn.Parameter(torch.full((self.num_heads,), SINK_OFF, dtype=dtype))
         else:
@@ -199,6 +211,11 @@ class Csa2LatentAttention(Csa2AttentionBase):
         nope_idx = self.nope_dims[rope_head][None, :, None, :].expand(b, -1, t, -1)
         rope_idx = self.rope_dims[rope_head][None, :, None, :].expand(b, -1, t, -1)
         q_nope, q_rope = q.gather(-1, nope_idx), q.gather(-1, rope_idx)
+        if self.mixed_rope:  # complex coefficient per (KV group, slot): (a + ib)(re + i im)
+            coef = self.q_rope_coef[self.kv_of_query][None, :, None]  # [1, HQ, 1, n, 2]
+            re, im = q_rope.chunk(2, dim=-1)
+            a, b = coef[..., 0], coef[..., 1]
+            q_rope = torch.cat([a * re - b * im, a * im + b * re], dim=-1)
         cos, sin = self._rope_cos_sin(position_embeddings, self.rope_dims[rope_head])
         return q_nope, q_rope * cos + rotate_half(q_rope) * sin
 

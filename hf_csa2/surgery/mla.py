@@ -5,7 +5,7 @@ Seed 004 §8-§12: the layer caches ``c = W_DKV x`` and the keys/values are up-p
 frequency pairs per head keep RoPE in a small separate rope key and the rest become
 position-free. Two decisions per layer:
 
-1. **Which pairs keep RoPE** (:func:`rope_pair_scores`). ``perturbation`` (ours, default):
+1. **Which pairs keep RoPE** (:func:`rope_component_scores`). ``perturbation`` (ours, default):
    making pair ``f`` position-free changes each logit by ``Re(q^f conj(k^f) (e^{i theta_f (m-n)} - 1))``
    (``q^f, k^f`` the pair as complex numbers before rotation); its expected square under the
    source layer's own attention weights is exactly the damage, so the pairs with the largest
@@ -32,6 +32,7 @@ Layers are fitted one after another on the converted model's own inputs (see
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -68,54 +69,116 @@ def _complex_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.complex(x[..., :half].float(), x[..., half:].float())
 
 
-@torch.no_grad()
-def rope_pair_scores(attn, hidden: torch.Tensor, inv_freq: torch.Tensor, criterion: str = "perturbation",
-                     max_tokens: int = 256) -> torch.Tensor:
-    """Importance of keeping RoPE on each frequency pair, per KV head: [H, D/2] (higher = keep).
+@dataclass
+class RopeSplit:
+    """One layer's RoPE decision.
 
-    Args:
-        attn: the source (dense) attention module of the layer.
-        hidden: its input [N, T, hidden] on calibration windows.
-        inv_freq: RoPE angular frequency of each pair [D/2].
-        criterion: ``perturbation`` or ``norm`` (see the module docstring).
-        max_tokens: the first ``max_tokens`` positions of each window are used (the
-            perturbation score costs O(T^2) per head).
+    ``pairs`` is the spec's ``rope_pairs``. For a mixed shared key (several KV heads, one
+    rope key) ``mixing`` [F, H, H] complex holds, per frequency, the components (columns,
+    best first) of the query-weighted keys ``y_h = w_h k_h`` with weights ``w`` [H, F], and
+    ``slots`` lists the (frequency, component) of each rope-key slot in key order.
+    """
+
+    pairs: list[list[int]]
+    mixing: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    slots: list[tuple[int, int]] | None = None
+
+
+def head_mixing(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-frequency complex PCA of the KV heads' keys weighted by their readers' query energy.
+
+    q [N, HQ, T, F], k [N, H, T, F] complex -> (mixing [F, H, H] complex128, columns sorted by
+    decreasing energy; weights [H, F] float64).
+    """
+    hq, h = q.shape[1], k.shape[1]
+    group = hq // h
+    energy = q.abs().pow(2).mean((0, 2)).double().view(h, group, -1).sum(1)  # [H, F]
+    w = energy.clamp_min(1e-12).sqrt()
+    y = k.to(torch.complex128) * w[None, :, None, :]  # [N, H, T, F]
+    cov = torch.einsum("nhtf,ngtf->fhg", y, y.conj()) / (y.shape[0] * y.shape[2])  # [F, H, H]
+    vals, vecs = torch.linalg.eigh(cov)
+    return vecs.flip(-1), w
+
+
+@torch.no_grad()
+def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                          criterion: str = "perturbation", mixing: torch.Tensor | None = None,
+                          weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance of keeping RoPE on each key component at each frequency: [H, F] (higher = keep).
+
+    Components are the KV heads themselves (``mixing`` None) or the mixed components of
+    :func:`head_mixing`. q [N, HQ, T, F], k [N, H, T, F] complex (pre-RoPE pairs).
+    ``perturbation``: attention-weighted E[(logit change when the component loses RoPE)^2]
+    under the source's own attention; ``norm``: E|q| E|k| (MHA2MLA's 2-norm).
     """
     if criterion not in ROPE_CRITERIA:
         raise ValueError(f"criterion={criterion!r}; allowed: {', '.join(ROPE_CRITERIA)}")
-    hidden = hidden[:, :max_tokens]
-    q, k = pre_rope_qk(attn, hidden)
-    qc, kc = _complex_pairs(q), _complex_pairs(k)  # [N, HQ, T, F], [N, H, T, F]
-    hq, h = qc.shape[1], kc.shape[1]
+    hq, h = q.shape[1], k.shape[1]
     group = hq // h
-    scores = torch.zeros(h, qc.shape[-1], dtype=torch.float64)
+    if mixing is None:  # component j = KV head j, read by its own group with coefficient 1
+        coef = torch.eye(h, dtype=torch.complex128)[None].expand(q.shape[-1], h, h)  # [F, g, j]
+        comps = k
+    else:
+        coef = mixing.conj() / weights.T[:, :, None]  # [F, g, j] = conj(v_gj) / w_g
+        comps = torch.einsum("fhj,nhtf->njtf", mixing.conj(), k.to(torch.complex128) * weights[None, :, None, :])
+    coef, comps = coef.to(torch.complex64), comps.to(torch.complex64)
+    scores = torch.zeros(h, q.shape[-1], dtype=torch.float64)
     if criterion == "norm":
         for r in range(hq):
-            scores[r // group] += (qc[:, r].abs().mean((0, 1)) * kc[:, r // group].abs().mean((0, 1))).double()
+            qr = (q[:, r, :, None, :] * coef[:, r // group, :].T[None, None]).abs().mean((0, 1))  # [J, F]
+            scores += (qr * comps.abs().mean((0, 2))).double()
         return scores
-    t = qc.shape[2]
+    t = q.shape[2]
     pos = torch.arange(t, dtype=torch.float32)
     delta = pos[:, None] - pos[None, :]  # [T, T] query minus key position
     causal = delta >= 0
-    phase = torch.polar(torch.ones(()), delta[..., None] * inv_freq.float()) - 1  # [T, T, F]
-    # Source attention weights (rotated scores) decide which (m, n) pairs matter.
-    cos, sin = torch.cos(delta[..., None] * inv_freq.float()), torch.sin(delta[..., None] * inv_freq.float())
+    angle = delta[..., None] * inv_freq.float()  # [T, T, F]
+    rotation = torch.polar(torch.ones(()), angle)
     for r in range(hq):
-        j = r // group
-        for w in range(qc.shape[0]):
-            prod = qc[w, r][:, None, :] * kc[w, j].conj()[None, :, :]  # [T, T, F]
-            logits = (prod.real * cos - prod.imag * sin).sum(-1) * attn.scaling
-            p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)  # [T, T]
-            change = (prod * phase).real * attn.scaling  # logit change if the pair loses RoPE
-            scores[j] += (p[..., None] * change.pow(2)).sum((0, 1)).double()
+        g = r // group
+        for n in range(q.shape[0]):
+            # The source attention weights decide which (query, key) position pairs matter.
+            logits = ((q[n, r][:, None, :] * k[n, g].conj()[None, :, :]) * rotation).real.sum(-1) * scaling
+            p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)[..., None]  # [T, T, 1]
+            for j in range(h):
+                qj = q[n, r] * coef[:, g, j]  # [T, F]
+                prod = qj[:, None, :] * comps[n, j].conj()[None, :, :]
+                change = (prod * (rotation - 1)).real * scaling  # logit change if the component loses RoPE
+                scores[j] += (p * change.pow(2)).sum((0, 1)).double()
     return scores
 
 
-def choose_rope_pairs(scores: torch.Tensor, num_pairs: int, shared: bool) -> list[list[int]]:
-    """Top ``num_pairs`` pairs per KV head (or one list for all heads when ``shared``)."""
-    if shared:
-        scores = scores.sum(0, keepdim=True)
-    return [sorted(torch.topk(s, num_pairs).indices.tolist()) if num_pairs else [] for s in scores]
+def choose_rope_split(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float, num_pairs: int,
+                      shared: bool, criterion: str = "perturbation") -> RopeSplit:
+    """Pick the rope slots of one layer from its calibration queries/keys (complex pairs).
+
+    Per-head layout (``shared`` False): the ``num_pairs`` best pairs of each KV head. Shared
+    key: the ``num_pairs`` best (frequency, mixed component) slots overall; a frequency's
+    slots take its components in PCA order.
+    """
+    h = k.shape[1]
+    if not shared or h == 1:
+        scores = rope_component_scores(q, k, inv_freq, scaling, criterion)
+        if shared:
+            scores = scores.sum(0, keepdim=True)
+        return RopeSplit([sorted(torch.topk(sc, num_pairs).indices.tolist()) if num_pairs else [] for sc in scores])
+    mixing, weights = head_mixing(q, k)
+    scores = rope_component_scores(q, k, inv_freq, scaling, criterion, mixing, weights)  # [J, F]
+    flat = torch.topk(scores.T.reshape(-1), num_pairs).indices.tolist() if num_pairs else []
+    counts: dict[int, int] = {}
+    for idx in flat:
+        counts[idx // h] = counts.get(idx // h, 0) + 1
+    slots = sorted((f, j) for f, c in counts.items() for j in range(c))
+    return RopeSplit([[f for f, _ in slots]], mixing, weights, slots)
+
+
+def layer_rope_split(attn, hidden: torch.Tensor, inv_freq: torch.Tensor, num_pairs: int, shared: bool,
+                     criterion: str = "perturbation", max_tokens: int = 256) -> RopeSplit:
+    """:func:`choose_rope_split` from a dense layer's input [N, T, hidden] (first ``max_tokens``
+    positions of each window: the perturbation score costs O(T^2))."""
+    q, k = pre_rope_qk(attn, hidden[:, :max_tokens])
+    return choose_rope_split(_complex_pairs(q), _complex_pairs(k), inv_freq, attn.scaling, num_pairs, shared, criterion)
 
 
 def _psd_sqrt(mat: torch.Tensor, floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,13 +230,15 @@ def _balance_blocks(attn, hidden: torch.Tensor, o_w: torch.Tensor, nope_dims, ro
         qq = torch.zeros(len(dims), len(dims), dtype=torch.float64)
         gram = torch.zeros(d, d, dtype=torch.float64)
         for r in range(h * group, (h + 1) * group):
-            x = q[:, r][..., dims].reshape(-1, len(dims)).double()
-            qq += x.T @ x / x.shape[0]
             gram += o[:, r].T @ o[:, r]
+            if len(dims):
+                x = q[:, r][..., dims].reshape(-1, len(dims)).double()
+                qq += x.T @ x / x.shape[0]
         if key_gain is not None:
             g = key_gain[dims].double()
             qq = qq * g[:, None] * g[None, :]
-        key_blocks.append(_psd_sqrt(qq * attn.scaling**2)[0])
+        # No position-free key rows (every pair keeps RoPE): an empty key block.
+        key_blocks.append(_psd_sqrt(qq * attn.scaling**2)[0] if len(dims) else qq)
         value_blocks.append(_psd_sqrt(gram)[0])
     return key_blocks, value_blocks
 
@@ -185,54 +250,87 @@ def _block_diag_weight(key_blocks, value_blocks, alpha: float) -> torch.Tensor:
     return torch.block_diag(*blocks)
 
 
-def mla_specs(specs: list[dict], rank: int, rope_pairs: list[list[list[int]]]) -> list[dict]:
+def mla_specs(specs: list[dict], rank: int, splits: list[RopeSplit]) -> list[dict]:
     """Turn dense specs into MLA specs (same KV-head count and sinks)."""
     return [{"kind": "mla", "num_key_value_heads": s["num_key_value_heads"], "kv_lora_rank": rank,
-             "rope_pairs": pairs, "sinks": s.get("sinks", False)} for s, pairs in zip(specs, rope_pairs)]
+             "rope_pairs": split.pairs, "sinks": s.get("sinks", False)} for s, split in zip(specs, splits)]
 
 
-def _set_latent(attn: Csa2LatentAttention, k_w, k_b, v_w, v_b, rank: int, moment=None, weight=None) -> None:
-    """Factorise the source rows into ``attn.kv_a_proj`` / ``attn.kv_b_proj`` (rope rows copied)."""
+def split_key_rows(k_aug: torch.Tensor, split: RopeSplit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Source key rows [H, D, d+1] -> (rope-key rows [R*2n, d+1] in cache order, position-free
+    key rows per head [H, D, d+1] with the rope part removed, query coefficients [H, n, 2] or None).
+
+    Per-head layout: the rope rows are the listed pairs' rows, and those rows count as
+    removed from the position-free part (callers drop them via ``nope_dims``). Mixed shared
+    key: slot ``(f, j)`` is component ``j`` of frequency ``f``, ``sum_h conj(v_hj) w_h k_h^f``;
+    every head keeps, position-free, the residual of its key that the slots do not carry.
+    """
+    h, d, _ = k_aug.shape
+    half = d // 2
+    if split.mixing is None:
+        rope_dims, _ = rope_dim_indices(split.pairs, d)
+        rope = torch.cat([k_aug[j, rope_dims[j]] for j in range(len(split.pairs))]) if split.pairs[0] else k_aug[0, :0]
+        return rope, k_aug, None
+    kc = torch.complex(k_aug[:, :half], k_aug[:, half:])  # [H, F, d+1]
+    mixing, w = split.mixing, split.weights  # [F, H, J], [H, F]
+    comps = torch.einsum("fhj,hfc->jfc", mixing.conj(), kc * w[..., None])  # [J, F, d+1]
+    slots = split.slots
+    slot_rows = torch.stack([comps[j, f] for f, j in slots]) if slots else kc[0, :0]
+    residual = kc.clone()
+    coef = torch.zeros(h, len(slots), 2, dtype=torch.float64)
+    for s, (f, j) in enumerate(slots):
+        residual[:, f] -= (mixing[f, :, j] / w[:, f])[:, None] * comps[j, f][None]
+        c = mixing[f, :, j].conj() / w[:, f]
+        coef[:, s, 0], coef[:, s, 1] = c.real, c.imag
+    rope = torch.cat([slot_rows.real, slot_rows.imag])
+    return rope, torch.cat([residual.real, residual.imag], dim=1), coef
+
+
+def _set_latent(attn: Csa2LatentAttention, split: RopeSplit, k_w, k_b, v_w, v_b, rank: int, moment=None, weight=None) -> None:
+    """Factorise the source rows into ``attn.kv_a_proj`` / ``attn.kv_b_proj`` (+ the rope rows)."""
     h, d = attn.num_key_value_heads, attn.head_dim
     k_aug = _augment(k_w, k_b).view(h, d, -1)
     v_aug = _augment(v_w, v_b).view(h, d, -1)
-    rows = stacked_kv_rows(k_aug, v_aug, attn.nope_dims, attn.rope_of_kv)
+    rope_rows, k_free, coef = split_key_rows(k_aug, split)
+    rows = stacked_kv_rows(k_free, v_aug, attn.nope_dims, attn.rope_of_kv)
     a, b = factorise_kv(rows, rank, moment, weight)
-    rope_rows = torch.cat([k_aug[j, attn.rope_dims[j]] for j in range(attn.num_rope_heads)]) if attn.rope_width else a[:0]
     down = torch.cat([a, rope_rows])  # [r + R*2n, d+1]
     w, bias = _split(down, attn.kv_a_proj.weight, attn.kv_a_proj.bias)
     attn.kv_a_proj.weight.copy_(w)
     if bias is not None:
         attn.kv_a_proj.bias.copy_(bias)
-    elif down[:, -1].abs().max() > 0:
-        raise ValueError("a bias-free source produced a latent bias")
     attn.kv_b_proj.weight.copy_(b.to(attn.kv_b_proj.weight.dtype))
     if attn.kv_b_proj.bias is not None:
         attn.kv_b_proj.bias.zero_()
+    if coef is not None:
+        attn.q_rope_coef.copy_(coef.to(attn.q_rope_coef.dtype))
 
 
-def full_stack_width(config, num_key_value_heads: int, num_pairs: int) -> int:
-    """The rank at which the factorisation is exact: H * (D_nope + D)."""
+def full_stack_width(config, num_key_value_heads: int, num_pairs: int, shared: bool = False) -> int:
+    """The rank at which the factorisation is exact: H * (D_nope + D) (D_nope = D for a mixed
+    shared rope key, D - 2n per head otherwise)."""
     d = _head_dim(config)
-    return num_key_value_heads * (2 * d - 2 * num_pairs)
+    nope = d if shared and num_key_value_heads > 1 else d - 2 * num_pairs
+    return num_key_value_heads * (nope + d)
 
 
 @torch.no_grad()
 def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.Tensor | None = None,
               rope_criterion: str = "perturbation", factorisation: str = "activation_aware",
               shared_rope_key: bool = False, refit_output: bool = True, ridge: float = 0.3,
-              rope_pairs: list[list[list[int]]] | None = None):
+              splits: list[RopeSplit] | None = None):
     """Return a copy of ``model`` (native or hf_csa2 with dense layers) with MLA layers.
 
     Args:
-        kv_lora_rank: latent width ``r`` (at most the stacked width H*(2D - 2n)).
-        num_rope_pairs: frequency pairs ``n`` that keep RoPE per rope-key head.
+        kv_lora_rank: latent width ``r`` (at most :func:`full_stack_width`).
+        num_rope_pairs: complex rope slots ``n`` per rope key (per KV head, or in total for a
+            shared key): the rope key holds ``2n`` numbers.
         windows: calibration token ids [N, T]; needed unless ``factorisation == 'weight_svd'``
-            and ``rope_pairs`` are given.
-        shared_rope_key: one rope key for all KV heads (DeepSeek-V3 layout); only possible
-            as is for a single KV head (MQA sources).
-        rope_pairs: explicit per-layer choice (overrides the criterion).
-    The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_pairs``.
+            and every pair keeps RoPE (or ``splits`` are given).
+        shared_rope_key: one rope key for all KV heads (DeepSeek-V3 layout), whose slots mix
+            the heads per frequency (RoRoPE-style PCA).
+        splits: explicit per-layer RoPE decisions (override the criterion).
+    The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_splits``.
     """
     if rope_criterion not in ROPE_CRITERIA:
         raise ValueError(f"rope_criterion={rope_criterion!r}; allowed: {', '.join(ROPE_CRITERIA)}")
@@ -243,53 +341,54 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
     if any(s["kind"] != "dense" for s in specs):
         raise ValueError("MLA surgery needs dense attention layers as input")
     d = _head_dim(cfg)
-    if not 0 <= num_rope_pairs <= d // 2:
-        raise ValueError(f"num_rope_pairs={num_rope_pairs}; allowed: 0..{d // 2}")
-    kv_heads = {s["num_key_value_heads"] for s in specs}
-    if shared_rope_key and kv_heads != {1}:
-        raise ValueError(f"shared_rope_key needs a single KV head per layer (MQA); this model has {sorted(kv_heads)}")
+    qk_norm = has_qk_norm(model)
+    if shared_rope_key and qk_norm and any(s["num_key_value_heads"] > 1 for s in specs):
+        raise ValueError("shared_rope_key with several KV heads needs a source without QK-norm "
+                         "(each key head is normalised separately); use per-head rope keys")
     for s in specs:
-        width = full_stack_width(cfg, s["num_key_value_heads"], num_rope_pairs)
+        mixed = shared_rope_key and s["num_key_value_heads"] > 1
+        max_pairs = s["num_key_value_heads"] * d // 2 if mixed else d // 2
+        if not 0 <= num_rope_pairs <= max_pairs:
+            raise ValueError(f"num_rope_pairs={num_rope_pairs}; allowed: 0..{max_pairs}")
+        width = full_stack_width(cfg, s["num_key_value_heads"], num_rope_pairs, shared_rope_key)
         if not 1 <= kv_lora_rank <= width:
-            raise ValueError(f"kv_lora_rank={kv_lora_rank}; allowed: 1..{width} (= H*(2D - 2n), the exact rank)")
+            raise ValueError(f"kv_lora_rank={kv_lora_rank}; allowed: 1..{width} (the exact rank)")
     layers = decoder_layers(model)
 
-    if rope_pairs is None:
-        if num_rope_pairs == d // 2:
-            rope_pairs = [[list(range(d // 2))] * (1 if shared_rope_key else s["num_key_value_heads"]) for s in specs]
+    if splits is None:
+        if num_rope_pairs == d // 2 and not shared_rope_key:
+            splits = [RopeSplit([list(range(d // 2))] * s["num_key_value_heads"]) for s in specs]
         else:
             if windows is None:
-                raise ValueError("choosing rope pairs needs calibration windows")
-            rope_pairs = [None] * len(layers)
+                raise ValueError("choosing the rope slots needs calibration windows")
+            splits = [None] * len(layers)
 
             def make_hook(i):
                 def hook(attn, args, kwargs):
                     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                    s = rope_pair_scores(attn, hidden, _layer_inv_freq(model, i, d), rope_criterion)
-                    rope_pairs[i] = choose_rope_pairs(s, num_rope_pairs, shared_rope_key)
+                    splits[i] = layer_rope_split(attn, hidden, _layer_inv_freq(model, i, d), num_rope_pairs,
+                                                 shared_rope_key, rope_criterion)
 
                 return hook
 
             run_with_attention_hooks(model, windows[:4], lambda i, a: a.register_forward_pre_hook(make_hook(i), with_kwargs=True))
-    new = to_csa2(model, mla_specs(specs, kv_lora_rank, rope_pairs))
+    new = to_csa2(model, mla_specs(specs, kv_lora_rank, splits))
     new_layers = decoder_layers(new)
-    new.rope_pairs = rope_pairs
+    new.rope_splits = splits
 
     def source_rows(i):
         src = layers[i].self_attn
-        bias = src.k_proj.bias
-        return (src.k_proj.weight.detach(), None if bias is None else bias.detach(),
+        return (src.k_proj.weight.detach(), None if src.k_proj.bias is None else src.k_proj.bias.detach(),
                 src.v_proj.weight.detach(), None if src.v_proj.bias is None else src.v_proj.bias.detach())
 
     if factorisation == "weight_svd":
         for i, layer in enumerate(new_layers):
-            _set_latent(layer.self_attn, *source_rows(i), kv_lora_rank)
+            _set_latent(layer.self_attn, splits[i], *source_rows(i), kv_lora_rank)
         new.fit_notes = [{} for _ in new_layers]
         return new
     if windows is None:
         raise ValueError("factorisation='activation_aware' needs calibration windows")
     targets = source_attention_outputs(model, windows)
-    qk_norm = has_qk_norm(model)
 
     def fit_layer(i, attn, hidden, attn_kwargs):
         moment = augmented_moment(hidden)
@@ -299,24 +398,22 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
                                  attn.num_key_value_heads, gain)
         k_energy = sum(b.pow(2).sum() for b in kb)
         v_energy = sum(b.pow(2).sum() for b in vb)
-        base = math.sqrt(v_energy / max(k_energy, 1e-30)) if k_energy > 0 else 1.0
+        base = math.sqrt(v_energy / k_energy) if k_energy > 0 else 1.0
         best = None
         for mult in BALANCE_GRID if attn.nope_width else (1.0,):
-            _set_latent(attn, *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * mult))
+            _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * mult))
             # Not attn(...): that would re-enter this very pre-hook.
             a, _ = attn.attention_output(hidden, attn_kwargs["position_embeddings"], attn_kwargs.get("attention_mask"))
-            out = attn.o_proj(a)
-            err = ((out - targets[i]).pow(2).sum() / targets[i].pow(2).sum()).item()
+            err = ((attn.o_proj(a) - targets[i]).pow(2).sum() / targets[i].pow(2).sum()).item()
             if best is None or err < best[0]:
                 best = (err, mult)
-        _set_latent(attn, *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * best[1]))
+        _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * best[1]))
         notes = {"balance": best[1], "rel_err": best[0]}
         if refit_output:
             notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=ridge))
         return notes
 
     new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
-    new.rope_pairs = rope_pairs
     return new
 
 
@@ -336,5 +433,6 @@ def _layer_inv_freq(model, layer_idx: int, head_dim: int) -> torch.Tensor:
     return inv.float()
 
 
-__all__ = ["FACTORISATIONS", "ROPE_CRITERIA", "apply_mla", "choose_rope_pairs", "factorise_kv", "full_stack_width",
-           "mla_specs", "pre_rope_qk", "rope_pair_scores", "rope_dim_indices"]
+__all__ = ["FACTORISATIONS", "ROPE_CRITERIA", "RopeSplit", "apply_mla", "choose_rope_split", "factorise_kv",
+           "full_stack_width", "head_mixing", "layer_rope_split", "mla_specs", "pre_rope_qk", "rope_component_scores",
+           "split_key_rows"]
