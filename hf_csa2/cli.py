@@ -183,8 +183,10 @@ def _float_list(text: str, flag: str) -> list[float]:
 
 def _inspect(args) -> int:
     from .evals.kv_cache import (
+        QK_NORM_MODEL_TYPES,
         config_kv_elements_per_token,
         layer_attention_specs,
+        layer_kv_elements_per_token,
         measure_kv_elements_per_token,
         measurement_length,
     )
@@ -194,8 +196,9 @@ def _inspect(args) -> int:
     cfg = loaded.model.config
     layers = layer_attention_specs(cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    qk_norm = getattr(cfg, "base_model_type", cfg.model_type) in QK_NORM_MODEL_TYPES
     for spec in layers:
-        spec["kv_elements_per_token"] = 2 * spec["num_key_value_heads"] * head_dim
+        spec["kv_elements_per_token"] = layer_kv_elements_per_token(spec, head_dim, qk_norm)
     info = {
         "model": args.model,
         "architecture": type(loaded.model).__name__,
@@ -211,10 +214,13 @@ def _inspect(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"{info['model']}: {info['architecture']} ({info['base_model_type']}), {cfg.num_attention_heads} query heads, head_dim {head_dim}")
-    print("| layer | kind | kv heads | sinks | window | KV elements/token |")
-    print("|---:|---|---:|---|---:|---:|")
+    print("| layer | kind | kv heads | latent | rope key | sinks | window | KV elements/token |")
+    print("|---:|---|---:|---:|---:|---|---:|---:|")
     for i, s in enumerate(layers):
-        print(f"| {i} | {s['kind']} | {s['num_key_value_heads']} | {s.get('sinks', False)} | {s['window'] or '-'} | {s['kv_elements_per_token']} |")
+        latent = s.get("kv_lora_rank", "-")
+        rope = sum(2 * len(p) for p in s["rope_pairs"]) if "rope_pairs" in s else "-"
+        print(f"| {i} | {s['kind']} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
+              f"{s['window'] or '-'} | {s['kv_elements_per_token']} |")
     print(f"KV elements per token: config {info['kv_elements_per_token_config']}, "
           f"measured from the live cache after a {info['measured_with_tokens']}-token prefill {info['kv_elements_per_token_measured']:.0f}")
     return 0

@@ -1,10 +1,11 @@
 """Held-out ppl of SmolLM2 -> MLA for several (rope pairs, rank) splits of a KV budget,
 RoPE criteria and factorisations, all in one process against the original.
 
-    python scripts/sweep_mla.py --budget 192 --pairs 2,4,8 [--criteria perturbation,norm]
+    python scripts/sweep_mla.py --budget 192 --pairs 2,4,8 [--shared] [--criteria perturbation,norm]
         [--factorisations activation_aware,weight_svd] [--windows 6] [--no-refit]
 
-Budget = cache elements per token per layer = kv_lora_rank + KV heads * 2 * pairs.
+Budget = cache elements per token per layer = kv_lora_rank + KV heads * 2 * pairs
+(kv_lora_rank + 2 * pairs with --shared).
 Calibration: python-docs:calib, 16 x 512 after the 4 scoring windows (as the presets);
 held-out: python-docs:heldout, first N windows of 512.
 """
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=6)
     parser.add_argument("--no-refit", action="store_true")
     parser.add_argument("--source", default="smollm2-135m")
+    parser.add_argument("--shared", action="store_true", help="one rope key mixing the KV heads (n slots in total)")
     args = parser.parse_args()
     src = load_source(args.source)
     kv = src.model.config.num_key_value_heads
@@ -36,12 +38,12 @@ def main() -> None:
     print(f"| variant | held-out ppl ({args.windows} x 512) | ratio | seconds |\n|---|---:|---:|---:|")
     print(f"| original | {base:.3f} | 1.000 | |", flush=True)
     for pairs in [int(p) for p in args.pairs.split(",")]:
-        rank = args.budget - kv * 2 * pairs
+        rank = args.budget - (1 if args.shared else kv) * 2 * pairs
         for criterion in args.criteria.split(","):
             for fact in args.factorisations.split(","):
                 t = time.perf_counter()
                 model = apply_mla(src.model, rank, pairs, windows=calib, rope_criterion=criterion,
-                                  factorisation=fact, refit_output=not args.no_refit)
+                                  factorisation=fact, refit_output=not args.no_refit, shared_rope_key=args.shared)
                 ppl = mean_nll(model, held)["ppl"]
                 print(f"| n={pairs} r={rank} {criterion} {fact} | {ppl:.3f} | {ppl / base:.3f} | {time.perf_counter() - t:.0f} |", flush=True)
 

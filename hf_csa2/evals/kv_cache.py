@@ -30,14 +30,29 @@ def layer_attention_specs(config) -> list[dict]:
     return out
 
 
+QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
+
+
+def layer_kv_elements_per_token(spec: dict, head_dim: int, qk_norm: bool = False) -> int:
+    """Cache elements one token adds to one layer: ``2 * H * D`` for dense attention; for MLA
+    the latent plus the rope keys (``kv_lora_rank + R * 2n``), plus one key scale per KV head
+    for QK-norm sources."""
+    if spec["kind"] == "mla":
+        rope = sum(2 * len(p) for p in spec["rope_pairs"])
+        return spec["kv_lora_rank"] + rope + (spec["num_key_value_heads"] if qk_norm else 0)
+    return 2 * spec["num_key_value_heads"] * head_dim
+
+
 def config_kv_elements_per_token(config) -> int:
-    """Cache elements one token adds (K and V of every layer), from the config alone.
+    """Cache elements one token adds (all layers), from the config alone.
 
     Sliding-window layers are counted too: they hold every token while it is in the window,
     which is what a prefill shorter than the window measures.
     """
     d = _head_dim(config)
-    return sum(2 * spec["num_key_value_heads"] * d for spec in layer_attention_specs(config))
+    arch = getattr(config, "base_model_type", None) or config.model_type
+    qk_norm = arch in QK_NORM_MODEL_TYPES
+    return sum(layer_kv_elements_per_token(spec, d, qk_norm) for spec in layer_attention_specs(config))
 
 
 def cache_tensors(cache):
@@ -83,4 +98,4 @@ def measure_kv_elements_per_token(model, num_tokens: int = 16) -> float:
     return live_cache_elements(out.cache) / num_tokens
 
 
-__all__ = ["cache_tensors", "config_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]
+__all__ = ["cache_tensors", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]

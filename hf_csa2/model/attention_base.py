@@ -32,7 +32,9 @@ class Csa2AttentionBase(nn.Module):
     """Base of the attention modules of a converted model.
 
     Subclasses provide ``attention_output(hidden_states, position_embeddings, attention_mask,
-    cache, **kwargs) -> ([B, T, HQ*D], weights)`` (everything but ``o_proj``) and set
+    cache, **kwargs) -> ([B, T, HQ*D], weights)`` (everything but ``o_proj``) and
+    ``scoring_qk(hidden_states, position_embeddings) -> (q, k)`` (the logits are
+    ``scaling * q k^T``), and set
     ``config``, ``scaling``, ``sinks``, ``softcap``, ``sliding_window``, ``attention_dropout``
     and ``o_proj``.
     """

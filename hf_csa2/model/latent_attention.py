@@ -105,16 +105,13 @@ class Csa2LatentAttention(Csa2AttentionBase):
 
         # A rope key shared by several KV heads mixes them: queries then read it through coefficients.
         self.mixed_rope = len(spec["rope_pairs"]) == 1 and self.num_key_value_heads > 1
-        rope_dims, nope_dims = rope_dim_indices(spec["rope_pairs"], d, self.mixed_rope)
-        self.num_rope_heads, self.rope_width = rope_dims.shape  # R, 2n
-        self.nope_width = nope_dims.shape[1]
-        group = self.num_heads // self.num_key_value_heads
-        kv_of_query = torch.arange(self.num_heads) // group
-        rope_of_kv = torch.arange(self.num_key_value_heads) if self.num_rope_heads > 1 else torch.zeros(self.num_key_value_heads, dtype=torch.long)
-        self.register_buffer("rope_dims", rope_dims, persistent=False)  # [R, 2n]
-        self.register_buffer("nope_dims", nope_dims, persistent=False)  # [R, D_nope]
-        self.register_buffer("rope_of_kv", rope_of_kv, persistent=False)  # [H]
-        self.register_buffer("kv_of_query", kv_of_query, persistent=False)  # [HQ]
+        # Index tables as plain per-device tensors, not buffers: a meta-device load (as
+        # from_pretrained does) would leave non-persistent buffers uninitialised.
+        # Built lazily (never under from_pretrained's meta-device context).
+        self._indices: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self.num_rope_heads = len(spec["rope_pairs"])  # R
+        self.rope_width = 2 * len(spec["rope_pairs"][0])  # 2n
+        self.nope_width = d if self.mixed_rope else d - self.rope_width
 
         bias = source.k_proj.bias is not None
         hidden = source.q_proj.in_features
@@ -129,6 +126,40 @@ class Csa2LatentAttention(Csa2AttentionBase):
             self.sinks = None
 
     # -- shapes -------------------------------------------------------------------------
+
+    def index_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The layer's index tables on ``device``, derived from its spec (cached)."""
+        if device not in self._indices:
+            rope_dims, nope_dims = rope_dim_indices(self.spec["rope_pairs"], self.head_dim, self.mixed_rope)
+            group = self.num_heads // self.num_key_value_heads
+            kv = self.num_key_value_heads
+            tables = {
+                "rope_dims": rope_dims,  # [R, 2n]
+                "nope_dims": nope_dims,  # [R, D_nope]
+                "rope_of_kv": torch.arange(kv) if rope_dims.shape[0] > 1 else torch.zeros(kv, dtype=torch.long),  # [H]
+                "kv_of_query": torch.arange(self.num_heads) // group,  # [HQ]
+            }
+            self._indices[device] = {k: v.to(device) for k, v in tables.items()}
+        return self._indices[device]
+
+    def _table(self, name: str) -> torch.Tensor:
+        return self.index_tables(self.q_proj.weight.device)[name]
+
+    @property
+    def rope_dims(self) -> torch.Tensor:
+        return self._table("rope_dims")
+
+    @property
+    def nope_dims(self) -> torch.Tensor:
+        return self._table("nope_dims")
+
+    @property
+    def rope_of_kv(self) -> torch.Tensor:
+        return self._table("rope_of_kv")
+
+    @property
+    def kv_of_query(self) -> torch.Tensor:
+        return self._table("kv_of_query")
 
     @property
     def cache_width(self) -> int:
@@ -246,16 +277,28 @@ class Csa2LatentAttention(Csa2AttentionBase):
             out, weights = self._explicit(q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs)
         return out.reshape(b, t, -1).contiguous(), weights
 
-    def _explicit(self, q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs):
+    def _explicit_keys_values(self, latent, k_rope, k_scale) -> tuple[torch.Tensor, torch.Tensor]:
+        """Up-projected keys [B, H, S, D_nope + 2n] (position-free dims first) and values [B, H, S, D]."""
         b, _, s, _ = latent.shape
         kv = self.kv_b_proj(latent[:, 0]).view(b, s, self.num_key_value_heads, -1).transpose(1, 2)
         k_nope, v = kv[..., : self.nope_width], kv[..., self.nope_width :]  # [B, H, S, D_nope], [B, H, S, D]
         if k_scale is not None:
             gain = self._key_gain(self.nope_dims[self.rope_of_kv]).to(k_nope.dtype)  # [H, D_nope]
             k_nope = k_nope * k_scale[..., None] * gain[None, :, None, :]
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        k = torch.cat([k_nope, k_rope], dim=-1)
-        return self.attend(q, k, v, attention_mask, **kwargs)
+        return torch.cat([k_nope, k_rope], dim=-1), v
+
+    def scoring_qk(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, HQ, T, Dk] and keys [B, H, T, Dk] whose scaled dot products are this
+        layer's attention logits (no cache); used by calibration."""
+        latent, rope_part = self.compress(hidden_states, position_embeddings)
+        q_nope, q_rope = self.queries(hidden_states, position_embeddings)
+        k_rope, k_scale = self._split_cached(rope_part)
+        k, _ = self._explicit_keys_values(latent, k_rope, k_scale)
+        return torch.cat([q_nope, q_rope], dim=-1), k
+
+    def _explicit(self, q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs):
+        k, v = self._explicit_keys_values(latent, k_rope, k_scale)
+        return self.attend(torch.cat([q_nope, q_rope], dim=-1), k, v, attention_mask, **kwargs)
 
     def _absorbed(self, q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs):
         b, _, s, _ = latent.shape

@@ -71,6 +71,12 @@ class Csa2Attention(Csa2AttentionBase):
         q, k = apply_rotary(q, k, cos, sin)
         return q, k, v
 
+    def scoring_qk(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [B, HQ, T, D] and keys [B, H, T, D] whose scaled dot products are this
+        layer's attention logits (no cache); used by calibration."""
+        q, k, _ = self.project(hidden_states, position_embeddings)
+        return q, k
+
     def attention_output(
         self,
         hidden_states: torch.Tensor,

@@ -24,6 +24,7 @@ from ..evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_p
 from ..evals.ppl import mean_nll, token_windows
 from ..model import SUPPORTED_BASE_MODEL_TYPES
 from .gqa import apply_gqa, has_qk_norm
+from .mla import apply_mla
 from .plan import ConversionPlan, PlanError
 from .rebuild import is_csa2, to_native
 from .sinks import add_sinks, calibrate_sinks
@@ -87,6 +88,28 @@ def gqa_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
     return new, notes
 
 
+def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
+    """Rewrite every layer into multi-head latent attention (see :mod:`.mla`)."""
+    mla = plan.mla
+    shared = mla.rope_key == "shared"
+    kwargs = dict(windows=calib.fit, rope_criterion=mla.rope_criterion, shared_rope_key=shared,
+                  refit_output=mla.refit_output, ridge=mla.ridge)
+    new = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation=mla.init, **kwargs)
+    notes: dict = {"init": mla.init, "rope_key": mla.rope_key, "rope_criterion": mla.rope_criterion}
+    fits = [f for f in new.fit_notes if f]
+    if fits:
+        notes["attn_out_rel_err_before_refit"] = sum(f["rel_err"] for f in fits) / len(fits)
+        if mla.refit_output:
+            notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in fits) / len(fits)
+    if mla.compare_weight_svd and mla.init != "weight_svd" and calib.score.shape[0]:
+        # Same rope slots, plain SVD latent, no refit: the baseline the init must beat.
+        baseline = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation="weight_svd",
+                             splits=new.rope_splits, shared_rope_key=shared)
+        notes["weight_svd_calib_ppl"] = mean_nll(baseline, calib.score)["ppl"]
+        del baseline
+    return new, notes
+
+
 def sinks_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
     """Add one sink logit per query head, initialised so the outputs do not change."""
     new = add_sinks(model)
@@ -96,7 +119,7 @@ def sinks_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -
     return new, notes
 
 
-STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("sinks", sinks_stage)]
+STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("mla", mla_stage), ("sinks", sinks_stage)]
 
 
 # -- driver -----------------------------------------------------------------------------

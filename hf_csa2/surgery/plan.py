@@ -23,6 +23,9 @@ from typing import Any
 import yaml
 
 GQA_INITS = ("calibrated", "mean")
+MLA_INITS = ("activation_aware", "weight_svd")
+MLA_ROPE_KEYS = ("shared", "per_head")
+MLA_ROPE_CRITERIA = ("perturbation", "norm")
 SINK_INITS = ("calibrated", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,6 +42,25 @@ class GqaPlan:
     init: str = "calibrated"  # "calibrated": RoPE-aware weighted PCA merge; "mean": Ainslie et al. mean-pooling
     refit_output: bool = True  # with "calibrated": least-squares refit of o_proj to the source's attention output
     ridge: float = 0.3  # refit regularisation toward the merged o_proj, relative to mean diag(A^T A)
+
+
+@dataclass
+class MlaPlan:
+    """Rewrite every layer into multi-head latent attention.
+
+    Cache per token and layer: ``kv_lora_rank + qk_rope_head_dim`` (+ one key scale per KV head
+    for QK-norm sources); ``qk_rope_head_dim`` is the width of the rope key (shared) or of each
+    KV head's rope key (per_head).
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    rope_key: str = "shared"  # "shared": one rope key mixing the KV heads per frequency; "per_head": one per KV head
+    rope_criterion: str = "perturbation"  # which frequencies keep RoPE: attention-weighted logit damage, or MHA2MLA's 2-norm
+    init: str = "activation_aware"  # latent factorisation: covariance/readout-weighted, or plain weight SVD
+    compare_weight_svd: bool = True  # also score the plain weight-SVD init in the stage report
+    refit_output: bool = True  # least-squares refit of o_proj to the source's attention output
+    ridge: float = 0.3
 
 
 @dataclass
@@ -61,9 +83,11 @@ class CalibrationPlan:
 
 @dataclass
 class ConversionPlan:
-    """A full conversion: optional GQA/MQA, optional sinks, calibration settings."""
+    """A full conversion: optional GQA/MQA, optional MLA, optional sinks, calibration settings
+    (stages run in that order)."""
 
     gqa: GqaPlan | None = None
+    mla: MlaPlan | None = None
     sinks: SinksPlan | None = None
     calibration: CalibrationPlan = field(default_factory=CalibrationPlan)
     dtype: str = "float32"
@@ -79,6 +103,8 @@ class ConversionPlan:
         kwargs: dict[str, Any] = {}
         if data.get("gqa") is not None:
             kwargs["gqa"] = _build(GqaPlan, data["gqa"], "gqa")
+        if data.get("mla") is not None:
+            kwargs["mla"] = _build(MlaPlan, data["mla"], "mla")
         if data.get("sinks") is not None:
             sinks = data["sinks"]
             if sinks is True:
@@ -123,6 +149,8 @@ class ConversionPlan:
                 raise PlanError(f"gqa.ridge={self.gqa.ridge!r}; allowed: a positive number")
             if self.gqa.init not in GQA_INITS:
                 raise PlanError(f"gqa.init={self.gqa.init!r}; allowed: {', '.join(GQA_INITS)}")
+        if self.mla is not None:
+            self._validate_mla()
         if self.sinks is not None and self.sinks.init not in SINK_INITS:
             raise PlanError(f"sinks.init={self.sinks.init!r}; allowed: {', '.join(SINK_INITS)}")
         cal = self.calibration
@@ -136,6 +164,20 @@ class ConversionPlan:
                 "allowed: num_tokens >= seq_len"
             )
 
+    def _validate_mla(self) -> None:
+        mla = self.mla
+        for name in ("kv_lora_rank", "qk_rope_head_dim"):
+            value = getattr(mla, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "kv_lora_rank" else 0):
+                raise PlanError(f"mla.{name}={value!r}; allowed: a {'positive' if name == 'kv_lora_rank' else 'non-negative'} integer")
+        if mla.qk_rope_head_dim % 2:
+            raise PlanError(f"mla.qk_rope_head_dim={mla.qk_rope_head_dim}; allowed: an even number (RoPE rotates pairs)")
+        for name, allowed in (("rope_key", MLA_ROPE_KEYS), ("rope_criterion", MLA_ROPE_CRITERIA), ("init", MLA_INITS)):
+            if getattr(mla, name) not in allowed:
+                raise PlanError(f"mla.{name}={getattr(mla, name)!r}; allowed: {', '.join(allowed)}")
+        if not isinstance(mla.ridge, (int, float)) or mla.ridge <= 0:
+            raise PlanError(f"mla.ridge={mla.ridge!r}; allowed: a positive number")
+
     def validate_for(self, config) -> None:
         """Checks against the source model's config (run before its weights are loaded)."""
         num_q = config.num_attention_heads
@@ -145,10 +187,34 @@ class ConversionPlan:
                 f"gqa.num_key_value_heads={self.gqa.num_key_value_heads} does not divide the model's "
                 f"{num_q} query heads; allowed: {divisors}"
             )
+        if self.mla is not None:
+            self._validate_mla_for(config)
+
+    def _validate_mla_for(self, config) -> None:
+        mla = self.mla
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = self.gqa.num_key_value_heads if self.gqa is not None else (
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        mixed = mla.rope_key == "shared" and kv > 1
+        if mixed and config.model_type in ("qwen3", "gemma3_text"):
+            raise PlanError(
+                f"mla.rope_key='shared' with {kv} KV heads needs a source without QK-norm ({config.model_type} "
+                "normalises each key head separately); allowed here: rope_key: per_head, or gqa.num_key_value_heads: 1"
+            )
+        max_rope = kv * d if mixed else d
+        if mla.qk_rope_head_dim > max_rope:
+            raise PlanError(f"mla.qk_rope_head_dim={mla.qk_rope_head_dim}; allowed: 0..{max_rope} (even) for this model")
+        nope = d if mixed else d - mla.qk_rope_head_dim
+        exact = kv * (nope + d)
+        if mla.kv_lora_rank > exact:
+            raise PlanError(
+                f"mla.kv_lora_rank={mla.kv_lora_rank} exceeds {exact}, the width of the stacked position-free "
+                f"keys and values ({kv} KV heads); allowed: 1..{exact}"
+            )
 
     @property
     def is_noop(self) -> bool:
-        return self.gqa is None and self.sinks is None
+        return self.gqa is None and self.mla is None and self.sinks is None
 
 
 def _reject_unknown(data: dict, cls, where: str) -> None:
@@ -169,4 +235,5 @@ def _build(cls, data: Any, where: str):
         raise PlanError(f"{where} needs the field(s) {required}: {err}") from err
 
 
-__all__ = ["CalibrationPlan", "ConversionPlan", "GqaPlan", "PlanError", "SinksPlan", "GQA_INITS", "SINK_INITS"]
+__all__ = ["CalibrationPlan", "ConversionPlan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan", "GQA_INITS", "MLA_INITS",
+           "SINK_INITS"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.modeling_hf_csa2 import SINK_OFF, Csa2Attention
+from ..model.modeling_hf_csa2 import SINK_OFF, Csa2AttentionBase
 from ..model.sink_attention import masked_logits
 from .calibration import run_with_attention_hooks
 from .rebuild import is_csa2, native_specs, to_csa2
@@ -46,9 +46,9 @@ def min_logsumexp_per_head(model, windows: torch.Tensor, batch_size: int = 2) ->
     """
     found: dict[int, torch.Tensor] = {}
 
-    def hook(module: Csa2Attention, args, kwargs, _output):
+    def hook(module: Csa2AttentionBase, args, kwargs, _output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        q, k, _ = module.project(hidden, kwargs["position_embeddings"])
+        q, k = module.scoring_qk(hidden, kwargs["position_embeddings"])
         logits, allowed = masked_logits(q.double(), k.double(), kwargs.get("attention_mask"),
                                         scaling=module.scaling, softcap=module.softcap)
         lse = torch.logsumexp(logits, dim=-1)  # [B, HQ, T]
@@ -69,7 +69,7 @@ def calibrate_sinks(model, windows: torch.Tensor, margin: float = 24.0) -> dict[
     lse = min_logsumexp_per_head(model, windows)
     values = []
     for module in model.modules():
-        if isinstance(module, Csa2Attention) and module.sinks is not None:
+        if isinstance(module, Csa2AttentionBase) and module.sinks is not None:
             target = lse[module.layer_idx] - margin
             module.sinks.copy_(target.clamp_min(SINK_OFF).to(module.sinks.dtype))
             values.append(module.sinks.detach().double())
