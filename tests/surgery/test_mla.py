@@ -1,0 +1,151 @@
+"""MLA surgery maths (seed 004 §8-§12) as properties, and the MLA stage/plan."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import VOCAB, save_tiny_source, tiny_model
+
+from hf_csa2.surgery.mla import (
+    RopeSplit,
+    apply_mla,
+    choose_rope_split,
+    factorise_kv,
+    head_mixing,
+    rope_component_scores,
+    split_key_rows,
+)
+from hf_csa2.surgery.pipeline import convert
+from hf_csa2.surgery.plan import ConversionPlan, PlanError
+
+
+def random_psd(n, gen):
+    a = torch.randn(n, n + 3, generator=gen, dtype=torch.float64)
+    return a @ a.T / (n + 3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(2, 12), d=st.integers(2, 10), seed=st.integers(0, 10_000))
+def test_factorisation_is_exact_at_full_rank_and_optimal_for_its_weighting(m, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(m, d + 1, generator=gen, dtype=torch.float64)
+    moment = random_psd(d + 1, gen) + 1e-3 * torch.eye(d + 1, dtype=torch.float64)
+    weight = random_psd(m, gen) + 0.1 * torch.eye(m, dtype=torch.float64)
+    a, b = factorise_kv(rows, m, moment, weight)
+    assert torch.allclose(b @ a, rows, atol=1e-8)
+
+    def weighted_error(approx):
+        diff = weight @ (rows - approx)
+        return (diff @ moment @ diff.T).trace()
+
+    r = max(1, min(m, d + 1) // 2)
+    a, b = factorise_kv(rows, r, moment, weight)
+    plain_a, plain_b = factorise_kv(rows, r)  # weight SVD: optimal for another metric
+    assert weighted_error(b @ a) <= weighted_error(plain_b @ plain_a) + 1e-9
+    # Eckart-Young under the metric: no rank-r matrix does better than the truncated spectrum.
+    y = weight @ rows @ torch.linalg.cholesky(moment)
+    tail = torch.linalg.svdvals(y)[r:].pow(2).sum()
+    assert torch.isclose(weighted_error(b @ a), tail, rtol=1e-6, atol=1e-9)
+
+
+@settings(max_examples=20, deadline=None)
+@given(h=st.integers(1, 3), pairs=st.integers(1, 4), keep=st.integers(0, 12), seed=st.integers(0, 10_000))
+def test_mixed_rope_slots_plus_residual_rebuild_every_key(h, pairs, keep, seed):
+    """RoPE commutes with complex scalars: the kept components (rotated) plus the residual give
+    back each head's key at every frequency, and the query coefficients read them correctly."""
+    gen = torch.Generator().manual_seed(seed)
+    d, n, t = 2 * pairs, 3, 5
+    k_aug = torch.randn(h, d, n, generator=gen, dtype=torch.float64)
+    q = torch.complex(torch.randn(1, 2 * h, t, pairs, generator=gen), torch.randn(1, 2 * h, t, pairs, generator=gen))
+    kc = torch.complex(torch.randn(1, h, t, pairs, generator=gen), torch.randn(1, h, t, pairs, generator=gen))
+    mixing, w = head_mixing(q, kc)
+    assert torch.allclose(mixing.conj().transpose(-1, -2) @ mixing, torch.eye(h, dtype=torch.complex128).expand(pairs, h, h), atol=1e-8)
+    keep = min(keep, h * pairs)
+    order = [(f, j) for j in range(h) for f in range(pairs)][:keep]
+    slots = sorted(order)
+    split = RopeSplit([[f for f, _ in slots]], mixing, w, slots)
+    rope, residual, coef = split_key_rows(k_aug, split)
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    key = (k_aug @ x)  # [H, D] true keys
+    res = residual @ x  # [H, D]
+    slot_vals = rope @ x  # [2 * keep]
+    half = d // 2
+    slot_c = torch.complex(slot_vals[:keep], slot_vals[keep:]) if keep else torch.zeros(0, dtype=torch.complex128)
+    # Query head of group g, pair f, unit query: score = Re(q conj(k)); check for a random rotation.
+    for g in range(h):
+        for f in range(pairs):
+            theta = torch.rand((), generator=gen, dtype=torch.float64) * 6.28
+            rot = torch.polar(torch.ones((), dtype=torch.float64), theta)
+            qv = torch.complex(torch.randn((), generator=gen, dtype=torch.float64), torch.randn((), generator=gen, dtype=torch.float64))
+            true = (qv * torch.complex(key[g, f], key[g, f + half]).conj() * rot).real
+            got = (qv * torch.complex(res[g, f], res[g, f + half]).conj() * rot).real
+            for s, (fs, _) in enumerate(slots):
+                if fs == f:
+                    c = torch.complex(coef[g, s, 0], coef[g, s, 1])
+                    got = got + (qv * c * slot_c[s].conj() * rot).real
+            assert torch.isclose(got, true, atol=1e-8)
+
+
+def test_perturbation_scores_are_zero_exactly_when_a_component_carries_nothing():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.complex(torch.randn(2, 4, 16, 3, generator=gen), torch.randn(2, 4, 16, 3, generator=gen))
+    k = torch.complex(torch.randn(2, 2, 16, 3, generator=gen), torch.randn(2, 2, 16, 3, generator=gen))
+    k[:, 1, :, 2] = 0  # KV head 1 has nothing at frequency 2
+    scores = rope_component_scores(q, k, torch.tensor([1.0, 0.1, 0.01]), 0.5)
+    assert scores[1, 2] == 0 and (scores >= 0).all() and (scores[:, :2] > 0).all()
+    # A frequency that never rotates within the window cannot be damaged by dropping RoPE.
+    assert rope_component_scores(q, k, torch.tensor([1.0, 0.1, 0.0]), 0.5)[:, 2].abs().max() == 0
+    split = choose_rope_split(q, k, torch.tensor([1.0, 0.1, 0.01]), 0.5, 1, shared=False)
+    assert split.pairs == [[0], [0]]
+
+
+def test_activation_aware_latent_is_closer_to_the_source_than_weight_svd():
+    """On a tiny random model ppl means little; the logits' distance to the source is what the
+    init optimises (same rope slots, no o_proj refit). The SmolLM2 ppl comparison is in
+    tests/test_real_smollm2.py."""
+    src = tiny_model("llama")
+    fit = torch.randint(3, VOCAB, (4, 48), generator=torch.Generator().manual_seed(2))
+
+    def distance(model):
+        return (model(fit).logits - src(fit).logits).pow(2).mean().item()
+
+    aware = apply_mla(src, 4, 2, windows=fit, refit_output=False)
+    plain = apply_mla(src, 4, 2, windows=fit, factorisation="weight_svd", splits=aware.rope_splits)
+    assert distance(aware) < distance(plain)
+
+
+TEXT = " ".join(f"Record {i}: the loader reads field {i * 7 % 13} into slot {i * 3 % 11}." for i in range(400))
+
+
+def test_mla_stage_reports_and_saves(tmp_path):
+    save_tiny_source("llama", tmp_path / "src")
+    (tmp_path / "t.txt").write_text(TEXT)
+    plan = {"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "sinks": True,
+            "calibration": {"text": str(tmp_path / "t.txt"), "num_tokens": 256, "seq_len": 64, "eval_windows": 2}}
+    convert(str(tmp_path / "src"), plan, out_dir=tmp_path / "out", log=lambda m: None)
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    stages = {s["stage"]: s for s in report["stages"]}
+    assert list(stages) == ["source", "mla", "sinks"]
+    assert stages["mla"]["kv_elements_per_token"] == 2 * (8 + 4)  # layers x (latent + shared rope key)
+    assert stages["mla"]["notes"]["weight_svd_calib_ppl"] > 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {s["kind"] for s in config["attention_layers"]} == {"mla"}
+
+
+@pytest.mark.parametrize(
+    "mla, arch, message",
+    [
+        ({"kv_lora_rank": 8, "qk_rope_head_dim": 3}, "llama", "even"),
+        ({"kv_lora_rank": 0, "qk_rope_head_dim": 4}, "llama", "kv_lora_rank=0"),
+        ({"kv_lora_rank": 8, "qk_rope_head_dim": 4, "rope_key": "both"}, "llama", "allowed: shared, per_head"),
+        ({"kv_lora_rank": 100, "qk_rope_head_dim": 4}, "llama", "allowed: 1..48"),
+        ({"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "qwen3", "QK-norm"),
+        ({"kv_lora_rank": 8, "qk_rope_head_dim": 14, "rope_key": "per_head"}, "llama", "allowed: 0..12"),
+    ],
+)
+def test_bad_mla_plans_fail_before_loading(mla, arch, message):
+    with pytest.raises(PlanError, match=message):
+        plan = ConversionPlan.from_dict({"mla": mla})
+        plan.validate_for(tiny_model(arch).config)
