@@ -7,6 +7,7 @@
     hf-csa2 eval report ORIGINAL CONVERTED [...] --out DIR
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
+    hf-csa2 export DIR --format deepseek_v3 --out OUT [--overwrite]
 """
 
 from __future__ import annotations
@@ -226,6 +227,14 @@ def _inspect(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from .export.deepseek_v3 import export_checkpoint
+
+    out = export_checkpoint(args.model, args.out, args.format, overwrite=args.overwrite)
+    _log(f"saved {out} ({args.format}; loads with AutoModelForCausalLM, no remote code)")
+    return 0
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -311,6 +320,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=16, help="prefill length for the live-cache measurement")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("export", help="write a converted checkpoint in a stock transformers architecture")
+    p.add_argument("model", help="hf_csa2 checkpoint folder")
+    p.add_argument("--format", default="deepseek_v3", help="target format (allowed: deepseek_v3)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_export)
     return parser
 
 
@@ -319,12 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # recorded in reports so they can be reproduced
     from .data.corpus import CorpusError
+    from .export.deepseek_v3 import ExportError
     from .surgery.pipeline import OutputExistsError
     from .surgery.sources import SourceError
 
     try:
         return args.func(args)
-    except (PlanError, SourceError, OutputExistsError, CorpusError) as err:
+    except (PlanError, SourceError, OutputExistsError, CorpusError, ExportError) as err:
         print(f"hf-csa2: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -71,7 +71,8 @@ def validate_attention_spec(spec: dict[str, Any], layer_idx: int, num_attention_
     spec["sinks"] = bool(spec.get("sinks", False))
     allowed_keys = {"kind", "num_key_value_heads", "sinks"}
     if kind == "mla":
-        allowed_keys |= {"kv_lora_rank", "rope_pairs"}
+        allowed_keys |= {"kv_lora_rank", "rope_pairs", "latent_norm"}
+        spec["latent_norm"] = bool(spec.get("latent_norm", False))
         _validate_mla(spec, where, kv_heads, head_dim, qk_norm)
     unknown = set(spec) - allowed_keys
     if unknown:

@@ -80,6 +80,21 @@ def rope_dim_indices(rope_pairs: list[list[int]], head_dim: int, mixed: bool = F
     return torch.tensor(rope, dtype=torch.long), torch.tensor(nope, dtype=torch.long)
 
 
+class LatentRMSNorm(nn.Module):
+    """RMSNorm of the latent (DeepSeek-V3's ``kv_a_layernorm``): ``w * x / rms(x)`` in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
 class Csa2LatentAttention(Csa2AttentionBase):
     """MLA layer built from a source attention module (adopts ``q_proj``, ``o_proj`` and the
     QK-norms); new parameters ``kv_a_proj`` [r + R*2n, hidden] and ``kv_b_proj``
@@ -118,6 +133,8 @@ class Csa2LatentAttention(Csa2AttentionBase):
         dtype = source.q_proj.weight.dtype
         self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.num_rope_heads * self.rope_width, bias=bias, dtype=dtype)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_key_value_heads * (self.nope_width + d), bias=bias, dtype=dtype)
+        # DeepSeek-V3 normalises the latent before caching it (needed to export to that format).
+        self.kv_a_layernorm = LatentRMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype) if spec.get("latent_norm") else None
         if self.mixed_rope:  # [H, n, (re, im)]
             self.q_rope_coef = nn.Parameter(torch.zeros(self.num_key_value_heads, self.rope_width // 2, 2, dtype=dtype))
         if spec["sinks"]:
@@ -194,6 +211,8 @@ class Csa2LatentAttention(Csa2AttentionBase):
         r, nr, w = self.kv_lora_rank, self.num_rope_heads, self.rope_width
         a = self.kv_a_proj(hidden_states)
         latent, rope = a[..., :r], a[..., r:].view(b, t, nr, w)  # [B, T, r], [B, T, R, 2n]
+        if self.kv_a_layernorm is not None:
+            latent = self.kv_a_layernorm(latent)
         parts = []
         if self.k_norm is not None:
             # Rebuild each KV head's full pre-norm key to get its RMS, as the source's norm does.
@@ -320,4 +339,4 @@ class Csa2LatentAttention(Csa2AttentionBase):
         return out, weights
 
 
-__all__ = ["Csa2LatentAttention", "MLA_ATTENTION_PATHS", "rms_norm_gain", "rope_dim_indices"]
+__all__ = ["Csa2LatentAttention", "LatentRMSNorm", "MLA_ATTENTION_PATHS", "rms_norm_gain", "rope_dim_indices"]

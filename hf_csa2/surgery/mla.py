@@ -149,36 +149,77 @@ def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tens
     return scores
 
 
-def choose_rope_split(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float, num_pairs: int,
-                      shared: bool, criterion: str = "perturbation") -> RopeSplit:
-    """Pick the rope slots of one layer from its calibration queries/keys (complex pairs).
+@dataclass
+class RopeScores:
+    """A layer's rope-slot scores [J, F] (J = KV heads, or mixed components) and, for a
+    mixed shared key, the mixing it was scored under."""
 
-    Per-head layout (``shared`` False): the ``num_pairs`` best pairs of each KV head. Shared
-    key: the ``num_pairs`` best (frequency, mixed component) slots overall; a frequency's
-    slots take its components in PCA order.
-    """
-    h = k.shape[1]
-    if not shared or h == 1:
-        scores = rope_component_scores(q, k, inv_freq, scaling, criterion)
-        if shared:
-            scores = scores.sum(0, keepdim=True)
-        return RopeSplit([sorted(torch.topk(sc, num_pairs).indices.tolist()) if num_pairs else [] for sc in scores])
+    scores: torch.Tensor
+    mixing: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
+def score_rope_slots(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float, shared: bool,
+                     criterion: str = "perturbation") -> RopeScores:
+    """Scores of one layer from its calibration queries/keys (complex pairs [N, H(Q), T, F])."""
+    if not shared or k.shape[1] == 1:
+        return RopeScores(rope_component_scores(q, k, inv_freq, scaling, criterion))
     mixing, weights = head_mixing(q, k)
-    scores = rope_component_scores(q, k, inv_freq, scaling, criterion, mixing, weights)  # [J, F]
-    flat = torch.topk(scores.T.reshape(-1), num_pairs).indices.tolist() if num_pairs else []
+    return RopeScores(rope_component_scores(q, k, inv_freq, scaling, criterion, mixing, weights), mixing, weights)
+
+
+def frequency_counts(scores: torch.Tensor, num_slots: int) -> dict[int, int]:
+    """How many slots each frequency gets when the ``num_slots`` best (component, frequency)
+    cells of ``scores`` [J, F] are kept (a frequency's slots take its best components)."""
+    j = scores.shape[0]
+    flat = torch.topk(scores.T.reshape(-1), num_slots).indices.tolist() if num_slots else []
     counts: dict[int, int] = {}
     for idx in flat:
-        counts[idx // h] = counts.get(idx // h, 0) + 1
+        counts[idx // j] = counts.get(idx // j, 0) + 1
+    return counts
+
+
+def split_from_scores(scored: RopeScores, num_pairs: int, shared: bool, counts: dict[int, int] | None = None) -> RopeSplit:
+    """Per-head layout: each KV head's ``num_pairs`` best pairs (one list for all heads when
+    ``shared`` with a single head). Mixed shared key: ``counts`` slots per frequency (default:
+    the layer's own best ``num_pairs`` cells), taking each frequency's components in PCA order.
+    With ``counts`` given, per-head layouts use the frequencies it lists (uniform across layers)."""
+    scores = scored.scores
+    if scored.mixing is None:
+        if shared:
+            scores = scores.sum(0, keepdim=True)
+        if counts is not None:
+            return RopeSplit([sorted(counts)] * scores.shape[0])
+        return RopeSplit([sorted(torch.topk(sc, num_pairs).indices.tolist()) if num_pairs else [] for sc in scores])
+    counts = frequency_counts(scores, num_pairs) if counts is None else counts
     slots = sorted((f, j) for f, c in counts.items() for j in range(c))
-    return RopeSplit([[f for f, _ in slots]], mixing, weights, slots)
+    return RopeSplit([[f for f, _ in slots]], scored.mixing, scored.weights, slots)
 
 
-def layer_rope_split(attn, hidden: torch.Tensor, inv_freq: torch.Tensor, num_pairs: int, shared: bool,
-                     criterion: str = "perturbation", max_tokens: int = 256) -> RopeSplit:
-    """:func:`choose_rope_split` from a dense layer's input [N, T, hidden] (first ``max_tokens``
+def uniform_frequency_counts(all_scores: list[RopeScores], num_pairs: int) -> dict[int, int]:
+    """One choice of rope frequencies for every layer (a single rope table, as DeepSeek-V3
+    needs): the best cells of the scores normalised per layer and summed over layers."""
+    total = sum(s.scores / s.scores.sum().clamp_min(1e-30) for s in all_scores)
+    if all_scores[0].mixing is None:
+        best = torch.topk(total.sum(0), num_pairs).indices.tolist() if num_pairs else []
+        return {f: 1 for f in best}
+    return frequency_counts(total, num_pairs)
+
+
+def choose_rope_split(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float, num_pairs: int,
+                      shared: bool, criterion: str = "perturbation") -> RopeSplit:
+    """Pick the rope slots of one layer from its calibration queries/keys (complex pairs):
+    per-head layout, the ``num_pairs`` best pairs of each KV head; shared key, the
+    ``num_pairs`` best (frequency, mixed component) slots overall."""
+    return split_from_scores(score_rope_slots(q, k, inv_freq, scaling, shared, criterion), num_pairs, shared)
+
+
+def layer_rope_scores(attn, hidden: torch.Tensor, inv_freq: torch.Tensor, shared: bool,
+                      criterion: str = "perturbation", max_tokens: int = 256) -> RopeScores:
+    """:func:`score_rope_slots` from a dense layer's input [N, T, hidden] (first ``max_tokens``
     positions of each window: the perturbation score costs O(T^2))."""
     q, k = pre_rope_qk(attn, hidden[:, :max_tokens])
-    return choose_rope_split(_complex_pairs(q), _complex_pairs(k), inv_freq, attn.scaling, num_pairs, shared, criterion)
+    return score_rope_slots(_complex_pairs(q), _complex_pairs(k), inv_freq, attn.scaling, shared, criterion)
 
 
 def _psd_sqrt(mat: torch.Tensor, floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,10 +291,27 @@ def _block_diag_weight(key_blocks, value_blocks, alpha: float) -> torch.Tensor:
     return torch.block_diag(*blocks)
 
 
-def mla_specs(specs: list[dict], rank: int, splits: list[RopeSplit]) -> list[dict]:
+def mla_specs(specs: list[dict], rank: int, splits: list[RopeSplit], latent_norm: bool = False) -> list[dict]:
     """Turn dense specs into MLA specs (same KV-head count and sinks)."""
     return [{"kind": "mla", "num_key_value_heads": s["num_key_value_heads"], "kv_lora_rank": rank,
-             "rope_pairs": split.pairs, "sinks": s.get("sinks", False)} for s, split in zip(specs, splits)]
+             "rope_pairs": split.pairs, "sinks": s.get("sinks", False), "latent_norm": latent_norm}
+            for s, split in zip(specs, splits)]
+
+
+def refit_up_projection(attn: Csa2LatentAttention, rows: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
+                        ridge: float = 1e-6) -> torch.Tensor:
+    """Up-projection ``B`` [m, r] for a normalised latent: least squares of the target rows'
+    outputs ``rows x~`` on ``norm(down x~)`` over the calibration tokens ``hidden`` [N, T, d]
+    (the same ``B`` for any invertible row weighting). The norm's gain is reset to 1."""
+    x = hidden.reshape(-1, hidden.shape[-1]).double()
+    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+    c = x @ down.T
+    c = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + attn.kv_a_layernorm.variance_epsilon)
+    y = x @ rows.T
+    gram = c.T @ c
+    lam = ridge * gram.diagonal().mean().clamp_min(1e-12) * torch.eye(gram.shape[0], dtype=torch.float64)
+    attn.kv_a_layernorm.weight.fill_(1.0)
+    return torch.linalg.solve(gram + lam, c.T @ y).T
 
 
 def split_key_rows(k_aug: torch.Tensor, split: RopeSplit) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -286,14 +344,20 @@ def split_key_rows(k_aug: torch.Tensor, split: RopeSplit) -> tuple[torch.Tensor,
     return rope, torch.cat([residual.real, residual.imag], dim=1), coef
 
 
-def _set_latent(attn: Csa2LatentAttention, split: RopeSplit, k_w, k_b, v_w, v_b, rank: int, moment=None, weight=None) -> None:
-    """Factorise the source rows into ``attn.kv_a_proj`` / ``attn.kv_b_proj`` (+ the rope rows)."""
+def _set_latent(attn: Csa2LatentAttention, split: RopeSplit, k_w, k_b, v_w, v_b, rank: int, moment=None, weight=None,
+                hidden: torch.Tensor | None = None) -> None:
+    """Factorise the source rows into ``attn.kv_a_proj`` / ``attn.kv_b_proj`` (+ the rope rows);
+    a normalised latent refits the up-projection on ``hidden`` [N, T, d]."""
     h, d = attn.num_key_value_heads, attn.head_dim
     k_aug = _augment(k_w, k_b).view(h, d, -1)
     v_aug = _augment(v_w, v_b).view(h, d, -1)
     rope_rows, k_free, coef = split_key_rows(k_aug, split)
     rows = stacked_kv_rows(k_free, v_aug, attn.nope_dims, attn.rope_of_kv)
     a, b = factorise_kv(rows, rank, moment, weight)
+    if attn.kv_a_layernorm is not None:
+        if hidden is None:
+            raise ValueError("a normalised latent needs calibration activations to fit its up-projection")
+        b = refit_up_projection(attn, rows, a, hidden)
     down = torch.cat([a, rope_rows])  # [r + R*2n, d+1]
     w, bias = _split(down, attn.kv_a_proj.weight, attn.kv_a_proj.bias)
     attn.kv_a_proj.weight.copy_(w)
@@ -318,7 +382,7 @@ def full_stack_width(config, num_key_value_heads: int, num_pairs: int, shared: b
 def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.Tensor | None = None,
               rope_criterion: str = "perturbation", factorisation: str = "activation_aware",
               shared_rope_key: bool = False, refit_output: bool = True, ridge: float = 0.3,
-              splits: list[RopeSplit] | None = None):
+              splits: list[RopeSplit] | None = None, latent_norm: bool = False, uniform_rope: bool = False):
     """Return a copy of ``model`` (native or hf_csa2 with dense layers) with MLA layers.
 
     Args:
@@ -330,6 +394,10 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
         shared_rope_key: one rope key for all KV heads (DeepSeek-V3 layout), whose slots mix
             the heads per frequency (RoRoPE-style PCA).
         splits: explicit per-layer RoPE decisions (override the criterion).
+        latent_norm: RMS-normalise the latent before caching (DeepSeek-V3's kv_a_layernorm);
+            the up-projection is then refitted by least squares on the calibration data.
+        uniform_rope: the same rope frequencies in every layer (one rope table, as
+            DeepSeek-V3 has); each layer still mixes its own heads.
     The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_splits``.
     """
     if rope_criterion not in ROPE_CRITERIA:
@@ -361,18 +429,21 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
         else:
             if windows is None:
                 raise ValueError("choosing the rope slots needs calibration windows")
-            splits = [None] * len(layers)
+            scored: list[RopeScores | None] = [None] * len(layers)
 
             def make_hook(i):
                 def hook(attn, args, kwargs):
                     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                    splits[i] = layer_rope_split(attn, hidden, _layer_inv_freq(model, i, d), num_rope_pairs,
-                                                 shared_rope_key, rope_criterion)
+                    scored[i] = layer_rope_scores(attn, hidden, _layer_inv_freq(model, i, d), shared_rope_key, rope_criterion)
 
                 return hook
 
             run_with_attention_hooks(model, windows[:4], lambda i, a: a.register_forward_pre_hook(make_hook(i), with_kwargs=True))
-    new = to_csa2(model, mla_specs(specs, kv_lora_rank, splits))
+            counts = uniform_frequency_counts(scored, num_rope_pairs) if uniform_rope else None
+            splits = [split_from_scores(sc, num_rope_pairs, shared_rope_key, counts) for sc in scored]
+    if latent_norm and (windows is None or factorisation != "activation_aware"):
+        raise ValueError("latent_norm needs calibration windows and factorisation='activation_aware'")
+    new = to_csa2(model, mla_specs(specs, kv_lora_rank, splits, latent_norm))
     new_layers = decoder_layers(new)
     new.rope_splits = splits
 
@@ -401,13 +472,13 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
         base = math.sqrt(v_energy / k_energy) if k_energy > 0 else 1.0
         best = None
         for mult in BALANCE_GRID if attn.nope_width else (1.0,):
-            _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * mult))
+            _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * mult), hidden)
             # Not attn(...): that would re-enter this very pre-hook.
             a, _ = attn.attention_output(hidden, attn_kwargs["position_embeddings"], attn_kwargs.get("attention_mask"))
             err = ((attn.o_proj(a) - targets[i]).pow(2).sum() / targets[i].pow(2).sum()).item()
             if best is None or err < best[0]:
                 best = (err, mult)
-        _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * best[1]))
+        _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * best[1]), hidden)
         notes = {"balance": best[1], "rel_err": best[0]}
         if refit_output:
             notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=ridge))
@@ -434,5 +505,5 @@ def _layer_inv_freq(model, layer_idx: int, head_dim: int) -> torch.Tensor:
 
 
 __all__ = ["FACTORISATIONS", "ROPE_CRITERIA", "RopeSplit", "apply_mla", "choose_rope_split", "factorise_kv",
-           "full_stack_width", "head_mixing", "layer_rope_split", "mla_specs", "pre_rope_qk", "rope_component_scores",
+           "full_stack_width", "head_mixing", "layer_rope_scores", "split_from_scores", "uniform_frequency_counts", "mla_specs", "pre_rope_qk", "rope_component_scores",
            "split_key_rows"]

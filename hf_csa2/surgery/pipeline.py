@@ -94,7 +94,8 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
     shared = mla.rope_key == "shared"
     kwargs = dict(windows=calib.fit, rope_criterion=mla.rope_criterion, shared_rope_key=shared,
                   refit_output=mla.refit_output, ridge=mla.ridge)
-    new = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation=mla.init, **kwargs)
+    new = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation=mla.init,
+                    latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope, **kwargs)
     notes: dict = {"init": mla.init, "rope_key": mla.rope_key, "rope_criterion": mla.rope_criterion}
     fits = [f for f in new.fit_notes if f]
     if fits:
@@ -102,7 +103,7 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
         if mla.refit_output:
             notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in fits) / len(fits)
     if mla.compare_weight_svd and mla.init != "weight_svd" and calib.score.shape[0]:
-        # Same rope slots, plain SVD latent, no refit: the baseline the init must beat.
+        # Same rope slots, plain SVD latent (no latent norm), no refit: the baseline the init must beat.
         baseline = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation="weight_svd",
                              splits=new.rope_splits, shared_rope_key=shared)
         notes["weight_svd_calib_ppl"] = mean_nll(baseline, calib.score)["ppl"]

@@ -58,6 +58,8 @@ class MlaPlan:
     rope_key: str = "shared"  # "shared": one rope key mixing the KV heads per frequency; "per_head": one per KV head
     rope_criterion: str = "perturbation"  # which frequencies keep RoPE: attention-weighted logit damage, or MHA2MLA's 2-norm
     init: str = "activation_aware"  # latent factorisation: covariance/readout-weighted, or plain weight SVD
+    latent_norm: bool = False  # RMS-normalise the latent (DeepSeek-V3 kv_a_layernorm; needed for export)
+    uniform_rope: bool = False  # the same rope frequencies in every layer (one rope table; needed for export)
     compare_weight_svd: bool = True  # also score the plain weight-SVD init in the stage report
     refit_output: bool = True  # least-squares refit of o_proj to the source's attention output
     ridge: float = 0.3

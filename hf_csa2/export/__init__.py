@@ -1,0 +1,1 @@
+"""Exports of converted checkpoints to stock transformers architectures."""
