@@ -89,3 +89,52 @@ def test_round_trip_without_hf_csa2(smollm2, texts, converted, tmp_path):
     prompt = smollm2.tokenizer("The Python tutorial explains", return_tensors="pt")
     expected = smollm2.tokenizer.decode(model.generate(**prompt, max_new_tokens=12, do_sample=False)[0])
     assert got["text"] == expected
+
+
+# -- MLA (issue "MLA surgery") ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mla_quarter(smollm2, texts):
+    """A 1/4-budget MLA conversion (96 cache elements per token and layer: a 32-wide shared
+    rope key + a 64-wide latent), calibrated on a small slice of text to keep the test short."""
+    from hf_csa2.surgery.mla import apply_mla
+
+    return apply_mla(smollm2.model, 64, 16, windows=texts["calib"][:6], shared_rope_key=True)
+
+
+def test_mla_full_rank_reproduces_smollm2(smollm2, texts):
+    from hf_csa2.surgery.mla import apply_mla, full_stack_width
+
+    model = apply_mla(smollm2.model, full_stack_width(smollm2.model.config, 3, 32), 32, factorisation="weight_svd")
+    x = texts["heldout"][:2]
+    ref = smollm2.model(x).logits
+    for path in ("explicit", "absorbed"):
+        model.config.mla_attention_path = path
+        assert (model(x).logits - ref).abs().max() <= 1e-4, path
+
+
+def test_mla_absorbed_equals_explicit_and_generates_identically(mla_quarter, texts):
+    x = texts["heldout"][:2]
+    logits, gens = {}, {}
+    for path in ("explicit", "absorbed"):
+        mla_quarter.config.mla_attention_path = path
+        logits[path] = mla_quarter(x).logits
+        gens[path] = mla_quarter.generate(x[:1, :64], max_new_tokens=12, do_sample=False)
+    mla_quarter.config.mla_attention_path = "auto"
+    assert (logits["explicit"] - logits["absorbed"]).abs().max() <= 1e-4
+    assert torch.equal(gens["explicit"], gens["absorbed"])
+
+
+def test_mla_cache_holds_only_latent_and_rope_key(mla_quarter):
+    assert measure_kv_elements_per_token(mla_quarter) == 30 * (64 + 32)
+
+
+def test_mla_activation_aware_beats_weight_svd_on_held_out_text(smollm2, texts, mla_quarter):
+    from hf_csa2.surgery.mla import apply_mla
+
+    plain = apply_mla(smollm2.model, 64, 16, factorisation="weight_svd", splits=mla_quarter.rope_splits,
+                      shared_rope_key=True)
+    ppl = {name: mean_nll(m, texts["heldout"])["ppl"] for name, m in
+           [("source", smollm2.model), ("aware", mla_quarter), ("plain", plain)]}
+    assert ppl["source"] < ppl["aware"] < ppl["plain"], ppl
