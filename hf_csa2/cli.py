@@ -55,7 +55,7 @@ def _eval_ppl(args) -> int:
     from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
     from .surgery.sources import load_source
 
-    entries = [(name, (lambda n=name: load_source(n))) for name in args.models]
+    entries = [(name, (lambda n=name: load_source(n, check_supported=False))) for name in args.models]
     try:
         results = compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows, batch_size=args.batch_size)
     except ValueError as err:  # e.g. models with different tokenizers, text shorter than one window
@@ -85,7 +85,7 @@ def _eval_needle(args) -> int:
     text = read_text(resolve_text(args.text), max_chars=4_000_000)
     results, samples = {}, None
     for name in args.models:
-        loaded = load_source(name)
+        loaded = load_source(name, check_supported=False)
         if samples is None:  # one sample set, made with the first model's tokenizer, for every model
             try:
                 samples = generate_samples(loaded.tokenizer, text, categories=categories, lengths=lengths,
@@ -117,7 +117,7 @@ def _eval_lm(args) -> int:
         metadata = json.loads(args.metadata) if args.metadata else None
     except json.JSONDecodeError as err:
         raise PlanError(f"--metadata is not valid JSON: {err}") from None
-    loaded = load_source(args.model)
+    loaded = load_source(args.model, check_supported=False)
     results = run_lm_eval(
         loaded.model, loaded.tokenizer, args.tasks.split(","), include_paths=args.include_path, metadata=metadata,
         limit=args.limit, batch_size=args.batch_size, apply_chat_template=args.apply_chat_template,
@@ -139,7 +139,7 @@ def _eval_report(args) -> int:
         chat_template=not args.no_chat_template, bench_lengths=_int_list(args.bench_lengths, "--bench-lengths"),
         bench_repeats=args.repeats,
     )
-    loaded = [load_source(name) for name in args.models]
+    loaded = [load_source(name, check_supported=False) for name in args.models]
     models = [(name, src.model, src.tokenizer) for name, src in zip(args.models, loaded)]
     try:
         path = write_report(models, args.out, settings, command="hf-csa2 " + " ".join(args.argv), log=_log)
@@ -154,7 +154,7 @@ def _bench(args) -> int:
     from .surgery.sources import load_source
 
     lengths = _int_list(args.lengths, "--lengths")
-    models = [(name, load_source(name).model) for name in args.models]  # all resident: measurements interleave
+    models = [(name, load_source(name, check_supported=False).model) for name in args.models]  # all resident: measurements interleave
     try:
         rows = bench(models, lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch=args.batch, log=_log)
     except ValueError as err:
@@ -193,7 +193,7 @@ def _inspect(args) -> int:
     )
     from .surgery.sources import load_source
 
-    loaded = load_source(args.model)
+    loaded = load_source(args.model, check_supported=False)
     cfg = loaded.model.config
     layers = layer_attention_specs(cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

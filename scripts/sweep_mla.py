@@ -1,7 +1,7 @@
 """Held-out ppl of SmolLM2 -> MLA for several (rope pairs, rank) splits of a KV budget,
 RoPE criteria and factorisations, all in one process against the original.
 
-    python scripts/sweep_mla.py --budget 192 --pairs 2,4,8 [--shared] [--criteria perturbation,norm]
+    python scripts/sweep_mla.py --budget 192 --pairs 2,4,8 [--shared] [--full-rank] [--criteria perturbation,norm]
         [--factorisations activation_aware,weight_svd] [--windows 6] [--no-refit]
 
 Budget = cache elements per token per layer = kv_lora_rank + KV heads * 2 * pairs
@@ -15,7 +15,7 @@ import time
 
 from hf_csa2.data.corpus import resolve_text
 from hf_csa2.evals.ppl import mean_nll, token_windows
-from hf_csa2.surgery.mla import apply_mla
+from hf_csa2.surgery.mla import apply_mla, full_stack_width
 from hf_csa2.surgery.sources import load_source
 
 
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--no-refit", action="store_true")
     parser.add_argument("--source", default="smollm2-135m")
     parser.add_argument("--shared", action="store_true", help="one rope key mixing the KV heads (n slots in total)")
+    parser.add_argument("--full-rank", action="store_true",
+                        help="latent at the exact rank (ignores --budget): isolates what the RoPE split costs")
     args = parser.parse_args()
     src = load_source(args.source)
     kv = src.model.config.num_key_value_heads
@@ -39,6 +41,8 @@ def main() -> None:
     print(f"| original | {base:.3f} | 1.000 | |", flush=True)
     for pairs in [int(p) for p in args.pairs.split(",")]:
         rank = args.budget - (1 if args.shared else kv) * 2 * pairs
+        if args.full_rank:
+            rank = full_stack_width(src.model.config, kv, pairs, args.shared)
         for criterion in args.criteria.split(","):
             for fact in args.factorisations.split(","):
                 t = time.perf_counter()

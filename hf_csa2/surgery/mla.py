@@ -2,15 +2,23 @@
 
 Seed 004 §8-§12: the layer caches ``c = W_DKV x`` and the keys/values are up-projections
 ``K_h = c W_UK,h``, ``V_h = c W_UV,h``; RoPE cannot pass through that factorisation, so a few
-frequency pairs per head keep RoPE in a small separate rope key and the rest become
-position-free. Two decisions per layer:
+frequency pairs keep RoPE in a small separate rope key and the rest become position-free.
+Two decisions per layer:
 
-1. **Which pairs keep RoPE** (:func:`rope_component_scores`). ``perturbation`` (ours, default):
-   making pair ``f`` position-free changes each logit by ``Re(q^f conj(k^f) (e^{i theta_f (m-n)} - 1))``
-   (``q^f, k^f`` the pair as complex numbers before rotation); its expected square under the
-   source layer's own attention weights is exactly the damage, so the pairs with the largest
-   one keep RoPE. ``norm``: MHA2MLA's 2-norm score ``E|q^f| E|k^f|`` summed over the query
-   heads that read the KV head.
+1. **What keeps RoPE** (:func:`rope_component_scores`). A rope key is a list of complex slots,
+   each at one frequency. Per-head layout: each KV head keeps its own best pairs. Shared
+   layout (default, DeepSeek-V3 style): RoPE commutes with complex scalars, so per frequency
+   the KV heads' keys are first mixed into principal components (query-energy-weighted
+   complex PCA, :func:`head_mixing`), and the best (frequency, component) cells become the
+   slots; queries read them through complex coefficients and every head keeps the uncaptured
+   remainder position-free. Scores: ``perturbation`` (ours, default): making a component
+   position-free changes each logit by ``Re(q conj(k) (e^{i theta (m-n)} - 1))``; its expected
+   square under the source layer's own attention weights is exactly the damage.
+   ``norm``: MHA2MLA's 2-norm score ``E|q| E|k|``. On SmolLM2 (held-out ppl ratio with
+   exact factorisation, so only RoPE is lost): 4 pairs per head cost 10.1x with
+   ``perturbation`` and 20.1x with ``norm``; a 96-wide rope key costs 1.028x per head and
+   1.013x shared (``python scripts/sweep_mla.py --full-rank --pairs 4 --windows 3
+   --factorisations weight_svd``; ``--pairs 16`` without / ``--pairs 48 --shared``).
 2. **The latent** (:func:`factorise_kv`). ``activation_aware`` (default): the stacked
    position-free key rows and value rows ``M`` [m, d+1] (bias as a column, input ``x~ = [x, 1]``)
    are factorised to minimise ``E || S (M - B A) x~ ||^2`` where ``S`` weights each block by
@@ -26,7 +34,9 @@ At full rank (``kv_lora_rank`` = the stacked width) ``B A = M`` exactly, so with
 kept the converted layer reproduces the source.
 
 Layers are fitted one after another on the converted model's own inputs (see
-:mod:`.layerwise`), then ``o_proj`` is refitted to the source layer's output.
+:mod:`.layerwise`), then ``o_proj`` is refitted to the source layer's output. For the
+DeepSeek-V3 export the latent can be RMS-normalised (the up-projection is then refitted by
+least squares after the norm) and the rope frequencies made the same in every layer.
 """
 
 from __future__ import annotations
@@ -141,11 +151,11 @@ def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tens
             # The source attention weights decide which (query, key) position pairs matter.
             logits = ((q[n, r][:, None, :] * k[n, g].conj()[None, :, :]) * rotation).real.sum(-1) * scaling
             p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)[..., None]  # [T, T, 1]
-            for j in range(h):
-                qj = q[n, r] * coef[:, g, j]  # [T, F]
-                prod = qj[:, None, :] * comps[n, j].conj()[None, :, :]
-                change = (prod * (rotation - 1)).real * scaling  # logit change if the component loses RoPE
-                scores[j] += (p * change.pow(2)).sum((0, 1)).double()
+            js = [g] if mixing is None else list(range(h))  # components this query head reads
+            qj = q[n, r][None] * coef[:, g, js].T[:, None, :]  # [J', T, F]
+            prod = qj[:, :, None, :] * comps[n, js].conj()[:, None, :, :]  # [J', T, T, F]
+            change = (prod * (rotation - 1)).real * scaling  # logit change if the component loses RoPE
+            scores[js] += (p * change.pow(2)).sum((1, 2)).double()
     return scores
 
 
