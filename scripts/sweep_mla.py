@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--no-refit", action="store_true")
     parser.add_argument("--source", default="smollm2-135m")
     parser.add_argument("--shared", action="store_true", help="one rope key mixing the KV heads (n slots in total)")
+    parser.add_argument("--averaged-values", default="false",
+                        help="comma list of false/true: value rows judged under the attention-averaged input moment")
     parser.add_argument("--full-rank", action="store_true",
                         help="latent at the exact rank (ignores --budget): isolates what the RoPE split costs")
     args = parser.parse_args()
@@ -45,11 +47,14 @@ def main() -> None:
             rank = full_stack_width(src.model.config, kv, pairs, args.shared)
         for criterion in args.criteria.split(","):
             for fact in args.factorisations.split(","):
-                t = time.perf_counter()
-                model = apply_mla(src.model, rank, pairs, windows=calib, rope_criterion=criterion,
-                                  factorisation=fact, refit_output=not args.no_refit, shared_rope_key=args.shared)
-                ppl = mean_nll(model, held)["ppl"]
-                print(f"| n={pairs} r={rank} {criterion} {fact} | {ppl:.3f} | {ppl / base:.3f} | {time.perf_counter() - t:.0f} |", flush=True)
+                for averaged in [v == "true" for v in args.averaged_values.split(",")]:
+                    t = time.perf_counter()
+                    model = apply_mla(src.model, rank, pairs, windows=calib, rope_criterion=criterion,
+                                      factorisation=fact, refit_output=not args.no_refit, shared_rope_key=args.shared,
+                                      averaged_values=averaged)
+                    ppl = mean_nll(model, held)["ppl"]
+                    name = f"n={pairs} r={rank} {criterion} {fact}{' averaged-values' if averaged else ''}"
+                    print(f"| {name} | {ppl:.3f} | {ppl / base:.3f} | {time.perf_counter() - t:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.attention_base import apply_rotary
 from ..model.latent_attention import Csa2LatentAttention, rope_dim_indices
+from ..model.sink_attention import masked_logits
 from .calibration import augmented_moment, decoder_layers, run_with_attention_hooks
 from .gqa import _augment, _split, has_qk_norm
 from .layerwise import calibrate_layerwise, refit_output_projection, source_attention_outputs
@@ -267,6 +269,68 @@ def factorise_kv(rows: torch.Tensor, rank: int, moment: torch.Tensor | None = No
     return a, b
 
 
+def refine_for_averaged_values(rows: torch.Tensor, a: torch.Tensor, num_key_rows: torch.Tensor, moment: torch.Tensor,
+                               value_moment: torch.Tensor, weight: torch.Tensor, iters: int = 4,
+                               ridge: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alternating refinement of ``A`` [r, d+1] and ``B`` [m, r] when key and value rows are judged
+    under different input moments.
+
+    Keys matter at each token's own input (``E[x~ x~^T]``), values only through the attention
+    average ``x- = sum_j p_j x~_j`` that reads them (``E[x- x-^T]``: directions that average
+    out cost nothing). Minimises ``sum_i E||S_i (M_i - B_i A) x_i||^2`` over the key block
+    (``num_key_rows`` mask [m] True) and the value block: B by least squares per block; A from
+    ``P_k A Sigma + P_v A Sigma- = R``, solved exactly by diagonalising ``Sigma-`` in the
+    metric of ``Sigma`` (one r x r solve per column).
+    """
+    eye = torch.eye(moment.shape[0], dtype=torch.float64)
+    sig_k = moment + ridge * moment.diagonal().mean() * eye
+    sig_v = value_moment + ridge * value_moment.diagonal().mean() * eye
+    w = weight.T @ weight
+    key, val = num_key_rows, ~num_key_rows
+    chol = torch.linalg.cholesky(sig_k)
+    g = torch.linalg.solve_triangular(chol, torch.linalg.solve_triangular(chol, sig_v, upper=False).T, upper=False)
+    lam, vecs = torch.linalg.eigh((g + g.T) / 2)
+
+    def fit_b(a_now):
+        b = torch.zeros(rows.shape[0], a_now.shape[0], dtype=torch.float64)
+        for mask, sig in ((key, sig_k), (val, sig_v)):
+            if mask.any():
+                gram = a_now @ sig @ a_now.T
+                gram = gram + ridge * gram.diagonal().mean().clamp_min(1e-30) * torch.eye(gram.shape[0], dtype=torch.float64)
+                b[mask] = torch.linalg.solve(gram, a_now @ sig @ rows[mask].T).T
+        return b
+
+    b = fit_b(a)
+    for _ in range(iters):
+        wk, wv = w[key][:, key], w[val][:, val]
+        bk, bv = b[key], b[val]
+        p_k, p_v = bk.T @ wk @ bk, bv.T @ wv @ bv
+        rhs = bk.T @ wk @ rows[key] @ sig_k + bv.T @ wv @ rows[val] @ sig_v  # [r, d+1]
+        # A Sigma_k = A C C^T; with A~ = A C: P_k A~ + P_v A~ G = rhs C^-T, G = C^-1 Sigma_v C^-T = V diag(lam) V^T.
+        r_hat = torch.linalg.solve_triangular(chol, rhs.T, upper=False).T @ vecs
+        a_hat = torch.stack([torch.linalg.solve(p_k + lam[j] * p_v, r_hat[:, j]) for j in range(r_hat.shape[1])], dim=1)
+        a = torch.linalg.solve_triangular(chol.T, (a_hat @ vecs.T).T, upper=True).T
+        b = fit_b(a)
+    return a, b
+
+
+def attention_averaged_moment(attn, hidden: torch.Tensor, position_embeddings, attention_mask=None) -> torch.Tensor:
+    """``E[x- x-^T]`` [d+1, d+1] of the attention-averaged augmented inputs ``x- = sum_j p_j x~_j``
+    over every query position and query head of a dense source layer; hidden [N, T, d]."""
+    n, t, _ = hidden.shape
+    q, k = pre_rope_qk(attn, hidden)
+    cos, sin = position_embeddings
+    q, k = apply_rotary(q, k, cos, sin)
+    logits, _ = masked_logits(q.float(), k.float(), attention_mask, scaling=attn.scaling)
+    p = torch.softmax(logits, dim=-1)  # [N, HQ, T, T]
+    x = torch.cat([hidden, hidden.new_ones(n, t, 1)], dim=-1).double()
+    total = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float64)
+    for head in range(p.shape[1]):
+        avg = (p[:, head].double() @ x).reshape(-1, x.shape[-1])  # [N*T, d+1]
+        total += avg.T @ avg
+    return total / (p.shape[1] * n * t)
+
+
 def _balance_blocks(attn, hidden: torch.Tensor, o_w: torch.Tensor, nope_dims, rope_of_kv, num_kv: int,
                     key_gain: torch.Tensor | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per KV head, the key weight ``scaling * E[q_nope q_nope^T]^{1/2}`` over its readers and
@@ -355,8 +419,9 @@ def split_key_rows(k_aug: torch.Tensor, split: RopeSplit) -> tuple[torch.Tensor,
 
 
 def _set_latent(attn: Csa2LatentAttention, split: RopeSplit, k_w, k_b, v_w, v_b, rank: int, moment=None, weight=None,
-                hidden: torch.Tensor | None = None) -> None:
+                hidden: torch.Tensor | None = None, value_moment: torch.Tensor | None = None) -> None:
     """Factorise the source rows into ``attn.kv_a_proj`` / ``attn.kv_b_proj`` (+ the rope rows);
+    ``value_moment`` refines it for attention-averaged values (:func:`refine_for_averaged_values`);
     a normalised latent refits the up-projection on ``hidden`` [N, T, d]."""
     h, d = attn.num_key_value_heads, attn.head_dim
     k_aug = _augment(k_w, k_b).view(h, d, -1)
@@ -364,6 +429,9 @@ def _set_latent(attn: Csa2LatentAttention, split: RopeSplit, k_w, k_b, v_w, v_b,
     rope_rows, k_free, coef = split_key_rows(k_aug, split)
     rows = stacked_kv_rows(k_free, v_aug, attn.nope_dims, attn.rope_of_kv)
     a, b = factorise_kv(rows, rank, moment, weight)
+    if value_moment is not None:
+        key_rows = torch.cat([torch.arange(attn.nope_width + d) < attn.nope_width for _ in range(h)])
+        a, b = refine_for_averaged_values(rows, a, key_rows, moment, value_moment, weight)
     if attn.kv_a_layernorm is not None:
         if hidden is None:
             raise ValueError("a normalised latent needs calibration activations to fit its up-projection")
@@ -392,7 +460,8 @@ def full_stack_width(config, num_key_value_heads: int, num_pairs: int, shared: b
 def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.Tensor | None = None,
               rope_criterion: str = "perturbation", factorisation: str = "activation_aware",
               shared_rope_key: bool = False, refit_output: bool = True, ridge: float = 0.3,
-              splits: list[RopeSplit] | None = None, latent_norm: bool = False, uniform_rope: bool = False):
+              splits: list[RopeSplit] | None = None, latent_norm: bool = False, uniform_rope: bool = False,
+              averaged_values: bool = False):
     """Return a copy of ``model`` (native or hf_csa2 with dense layers) with MLA layers.
 
     Args:
@@ -408,6 +477,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
             the up-projection is then refitted by least squares on the calibration data.
         uniform_rope: the same rope frequencies in every layer (one rope table, as
             DeepSeek-V3 has); each layer still mixes its own heads.
+        averaged_values: judge value rows under the attention-averaged input moment
+            (:func:`refine_for_averaged_values`) instead of the per-token one.
     The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_splits``.
     """
     if rope_criterion not in ROPE_CRITERIA:
@@ -480,15 +551,19 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
         k_energy = sum(b.pow(2).sum() for b in kb)
         v_energy = sum(b.pow(2).sum() for b in vb)
         base = math.sqrt(v_energy / k_energy) if k_energy > 0 else 1.0
+        value_moment = (attention_averaged_moment(src, hidden, attn_kwargs["position_embeddings"],
+                                                  attn_kwargs.get("attention_mask")) if averaged_values else None)
         best = None
         for mult in BALANCE_GRID if attn.nope_width else (1.0,):
-            _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * mult), hidden)
+            _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * mult), hidden,
+                        value_moment)
             # Not attn(...): that would re-enter this very pre-hook.
             a, _ = attn.attention_output(hidden, attn_kwargs["position_embeddings"], attn_kwargs.get("attention_mask"))
             err = ((attn.o_proj(a) - targets[i]).pow(2).sum() / targets[i].pow(2).sum()).item()
             if best is None or err < best[0]:
                 best = (err, mult)
-        _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * best[1]), hidden)
+        _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * best[1]), hidden,
+                    value_moment)
         notes = {"balance": best[1], "rel_err": best[0]}
         if refit_output:
             notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=ridge))

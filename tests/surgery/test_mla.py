@@ -10,6 +10,7 @@ from tiny_models import VOCAB, save_tiny_source, tiny_model
 
 from hf_csa2.surgery.mla import (
     RopeSplit,
+    refine_for_averaged_values,
     apply_mla,
     choose_rope_split,
     factorise_kv,
@@ -48,6 +49,28 @@ def test_factorisation_is_exact_at_full_rank_and_optimal_for_its_weighting(m, d,
     y = weight @ rows @ torch.linalg.cholesky(moment)
     tail = torch.linalg.svdvals(y)[r:].pow(2).sum()
     assert torch.isclose(weighted_error(b @ a), tail, rtol=1e-6, atol=1e-9)
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(4, 10), d=st.integers(3, 8), seed=st.integers(0, 10_000))
+def test_refinement_for_averaged_values_never_worsens_its_objective(m, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(m, d + 1, generator=gen, dtype=torch.float64)
+    keys = torch.arange(m) < m // 2
+    moment = random_psd(d + 1, gen) + 1e-2 * torch.eye(d + 1, dtype=torch.float64)
+    value_moment = 0.3 * random_psd(d + 1, gen) + 1e-2 * torch.eye(d + 1, dtype=torch.float64)
+    weight = random_psd(m, gen) + 0.1 * torch.eye(m, dtype=torch.float64)
+    w = weight.T @ weight
+
+    def objective(a, b):
+        diff = rows - b @ a
+        return sum((diff[mask].T @ w[mask][:, mask] @ diff[mask] @ sig).trace()
+                   for mask, sig in ((keys, moment), (~keys, value_moment)))
+
+    r = max(1, min(m, d + 1) // 2)
+    a0, b0 = factorise_kv(rows, r, moment, weight)
+    a, b = refine_for_averaged_values(rows, a0, keys, moment, value_moment, weight, ridge=0.0)
+    assert objective(a, b) <= objective(a0, b0) * (1 + 1e-9) + 1e-12
 
 
 @settings(max_examples=20, deadline=None)
