@@ -95,7 +95,8 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
     kwargs = dict(windows=calib.fit, rope_criterion=mla.rope_criterion, shared_rope_key=shared,
                   refit_output=mla.refit_output, ridge=mla.ridge)
     new = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation=mla.init,
-                    latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope, **kwargs)
+                    latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
+                    averaged_values=mla.averaged_values, **kwargs)
     notes: dict = {"init": mla.init, "rope_key": mla.rope_key, "rope_criterion": mla.rope_criterion}
     fits = [f for f in new.fit_notes if f]
     if fits:
