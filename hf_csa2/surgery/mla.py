@@ -42,7 +42,7 @@ least squares after the norm) and the rope frequencies made the same in every la
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -89,12 +89,16 @@ class RopeSplit:
     rope key) ``mixing`` [F, H, H] complex holds, per frequency, the components (columns,
     best first) of the query-weighted keys ``y_h = w_h k_h`` with weights ``w`` [H, F], and
     ``slots`` lists the (frequency, component) of each rope-key slot in key order.
+    ``dropped`` lists (frequency, component-or-head) cells that neither keep RoPE nor stay
+    position-free: their logit term is removed (cheaper than a position-free copy of a term
+    that rotates fast, see :func:`rope_component_scores`).
     """
 
     pairs: list[list[int]]
     mixing: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     slots: list[tuple[int, int]] | None = None
+    dropped: list[tuple[int, int]] = field(default_factory=list)
 
 
 def head_mixing(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,13 +120,16 @@ def head_mixing(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.T
 @torch.no_grad()
 def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                           criterion: str = "perturbation", mixing: torch.Tensor | None = None,
-                          weights: torch.Tensor | None = None) -> torch.Tensor:
+                          weights: torch.Tensor | None = None, drop_scores: bool = False):
     """Importance of keeping RoPE on each key component at each frequency: [H, F] (higher = keep).
 
     Components are the KV heads themselves (``mixing`` None) or the mixed components of
     :func:`head_mixing`. q [N, HQ, T, F], k [N, H, T, F] complex (pre-RoPE pairs).
     ``perturbation``: attention-weighted E[(logit change when the component loses RoPE)^2]
     under the source's own attention; ``norm``: E|q| E|k| (MHA2MLA's 2-norm).
+    With ``drop_scores`` (perturbation only) also returns the damage of removing the term
+    altogether, E[(its logit contribution)^2]: for a fast-rotating term that is about half the
+    damage of a position-free copy (whose error ``e^{i theta (m-n)} - 1`` is then ~ twice the term).
     """
     if criterion not in ROPE_CRITERIA:
         raise ValueError(f"criterion={criterion!r}; allowed: {', '.join(ROPE_CRITERIA)}")
@@ -136,7 +143,10 @@ def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tens
         comps = torch.einsum("fhj,nhtf->njtf", mixing.conj(), k.to(torch.complex128) * weights[None, :, None, :])
     coef, comps = coef.to(torch.complex64), comps.to(torch.complex64)
     scores = torch.zeros(h, q.shape[-1], dtype=torch.float64)
+    drops = torch.zeros_like(scores)
     if criterion == "norm":
+        if drop_scores:
+            raise ValueError("drop scores need criterion='perturbation'")
         for r in range(hq):
             qr = (q[:, r, :, None, :] * coef[:, r // group, :].T[None, None]).abs().mean((0, 1))  # [J, F]
             scores += (qr * comps.abs().mean((0, 2))).double()
@@ -158,7 +168,10 @@ def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tens
             prod = qj[:, :, None, :] * comps[n, js].conj()[:, None, :, :]  # [J', T, T, F]
             change = (prod * (rotation - 1)).real * scaling  # logit change if the component loses RoPE
             scores[js] += (p * change.pow(2)).sum((1, 2)).double()
-    return scores
+            if drop_scores:
+                term = (prod * rotation).real * scaling  # logit change if the term is removed
+                drops[js] += (p * term.pow(2)).sum((1, 2)).double()
+    return (scores, drops) if drop_scores else scores
 
 
 @dataclass
@@ -169,15 +182,23 @@ class RopeScores:
     scores: torch.Tensor
     mixing: torch.Tensor | None = None
     weights: torch.Tensor | None = None
+    drop: torch.Tensor | None = None  # [J, F] damage of removing each term (None: never drop)
+
+    def keep_scores(self) -> torch.Tensor:
+        """Damage of NOT keeping each cell in RoPE: the cheaper of position-free and removed."""
+        return self.scores if self.drop is None else torch.minimum(self.scores, self.drop)
 
 
 def score_rope_slots(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float, shared: bool,
-                     criterion: str = "perturbation") -> RopeScores:
-    """Scores of one layer from its calibration queries/keys (complex pairs [N, H(Q), T, F])."""
-    if not shared or k.shape[1] == 1:
-        return RopeScores(rope_component_scores(q, k, inv_freq, scaling, criterion))
-    mixing, weights = head_mixing(q, k)
-    return RopeScores(rope_component_scores(q, k, inv_freq, scaling, criterion, mixing, weights), mixing, weights)
+                     criterion: str = "perturbation", drop: bool = False) -> RopeScores:
+    """Scores of one layer from its calibration queries/keys (complex pairs [N, H(Q), T, F]);
+    ``drop`` also scores removing each term (see :func:`rope_component_scores`)."""
+    mixing = weights = None
+    if shared and k.shape[1] > 1:
+        mixing, weights = head_mixing(q, k)
+    out = rope_component_scores(q, k, inv_freq, scaling, criterion, mixing, weights, drop_scores=drop)
+    scores, drops = out if drop else (out, None)
+    return RopeScores(scores, mixing, weights, drops)
 
 
 def frequency_counts(scores: torch.Tensor, num_slots: int) -> dict[int, int]:
@@ -195,23 +216,34 @@ def split_from_scores(scored: RopeScores, num_pairs: int, shared: bool, counts: 
     """Per-head layout: each KV head's ``num_pairs`` best pairs (one list for all heads when
     ``shared`` with a single head). Mixed shared key: ``counts`` slots per frequency (default:
     the layer's own best ``num_pairs`` cells), taking each frequency's components in PCA order.
-    With ``counts`` given, per-head layouts use the frequencies it lists (uniform across layers)."""
-    scores = scored.scores
+    With ``counts`` given, per-head layouts use the frequencies it lists (uniform across layers).
+    Cells not kept whose removal costs less than a position-free copy are listed as dropped."""
+    scores = scored.keep_scores()
     if scored.mixing is None:
         if shared:
             scores = scores.sum(0, keepdim=True)
         if counts is not None:
-            return RopeSplit([sorted(counts)] * scores.shape[0])
-        return RopeSplit([sorted(torch.topk(sc, num_pairs).indices.tolist()) if num_pairs else [] for sc in scores])
-    counts = frequency_counts(scores, num_pairs) if counts is None else counts
-    slots = sorted((f, j) for f, c in counts.items() for j in range(c))
-    return RopeSplit([[f for f, _ in slots]], scored.mixing, scored.weights, slots)
+            split = RopeSplit([sorted(counts)] * scores.shape[0])
+        else:
+            split = RopeSplit([sorted(torch.topk(sc, num_pairs).indices.tolist()) if num_pairs else [] for sc in scores])
+        kept = {(f, j) for j, fs in enumerate(split.pairs) for f in fs}
+        if shared:  # one list for every head
+            kept = {(f, j) for f, _ in kept for j in range(scored.scores.shape[0])}
+    else:
+        counts = frequency_counts(scores, num_pairs) if counts is None else counts
+        slots = sorted((f, j) for f, c in counts.items() for j in range(c))
+        split = RopeSplit([[f for f, _ in slots]], scored.mixing, scored.weights, slots)
+        kept = set(slots)
+    if scored.drop is not None:
+        cheaper = (scored.drop < scored.scores).nonzero().tolist()  # [(j, f)]
+        split.dropped = sorted((f, j) for j, f in cheaper if (f, j) not in kept)
+    return split
 
 
 def uniform_frequency_counts(all_scores: list[RopeScores], num_pairs: int) -> dict[int, int]:
     """One choice of rope frequencies for every layer (a single rope table, as DeepSeek-V3
     needs): the best cells of the scores normalised per layer and summed over layers."""
-    total = sum(s.scores / s.scores.sum().clamp_min(1e-30) for s in all_scores)
+    total = sum(s.keep_scores() / s.keep_scores().sum().clamp_min(1e-30) for s in all_scores)
     if all_scores[0].mixing is None:
         best = torch.topk(total.sum(0), num_pairs).indices.tolist() if num_pairs else []
         return {f: 1 for f in best}
@@ -227,11 +259,11 @@ def choose_rope_split(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, 
 
 
 def layer_rope_scores(attn, hidden: torch.Tensor, inv_freq: torch.Tensor, shared: bool,
-                      criterion: str = "perturbation", max_tokens: int = 256) -> RopeScores:
+                      criterion: str = "perturbation", max_tokens: int = 256, drop: bool = False) -> RopeScores:
     """:func:`score_rope_slots` from a dense layer's input [N, T, hidden] (first ``max_tokens``
     positions of each window: the perturbation score costs O(T^2))."""
     q, k = pre_rope_qk(attn, hidden[:, :max_tokens])
-    return score_rope_slots(_complex_pairs(q), _complex_pairs(k), inv_freq, attn.scaling, shared, criterion)
+    return score_rope_slots(_complex_pairs(q), _complex_pairs(k), inv_freq, attn.scaling, shared, criterion, drop)
 
 
 def _psd_sqrt(mat: torch.Tensor, floor: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,7 +434,10 @@ def split_key_rows(k_aug: torch.Tensor, split: RopeSplit) -> tuple[torch.Tensor,
     if split.mixing is None:
         rope_dims, _ = rope_dim_indices(split.pairs, d)
         rope = torch.cat([k_aug[j, rope_dims[j]] for j in range(len(split.pairs))]) if split.pairs[0] else k_aug[0, :0]
-        return rope, k_aug, None
+        free = k_aug.clone()
+        for f, head in split.dropped:
+            free[head, [f, f + half]] = 0
+        return rope, free, None
     kc = torch.complex(k_aug[:, :half], k_aug[:, half:])  # [H, F, d+1]
     mixing, w = split.mixing, split.weights  # [F, H, J], [H, F]
     comps = torch.einsum("fhj,hfc->jfc", mixing.conj(), kc * w[..., None])  # [J, F, d+1]
@@ -414,6 +449,8 @@ def split_key_rows(k_aug: torch.Tensor, split: RopeSplit) -> tuple[torch.Tensor,
         residual[:, f] -= (mixing[f, :, j] / w[:, f])[:, None] * comps[j, f][None]
         c = mixing[f, :, j].conj() / w[:, f]
         coef[:, s, 0], coef[:, s, 1] = c.real, c.imag
+    for f, j in split.dropped:
+        residual[:, f] -= (mixing[f, :, j] / w[:, f])[:, None] * comps[j, f][None]
     rope = torch.cat([slot_rows.real, slot_rows.imag])
     return rope, torch.cat([residual.real, residual.imag], dim=1), coef
 
@@ -461,7 +498,7 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
               rope_criterion: str = "perturbation", factorisation: str = "activation_aware",
               shared_rope_key: bool = False, refit_output: bool = True, ridge: float = 0.3,
               splits: list[RopeSplit] | None = None, latent_norm: bool = False, uniform_rope: bool = False,
-              averaged_values: bool = False):
+              averaged_values: bool = False, drop_fast_terms: bool = False):
     """Return a copy of ``model`` (native or hf_csa2 with dense layers) with MLA layers.
 
     Args:
@@ -479,6 +516,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
             DeepSeek-V3 has); each layer still mixes its own heads.
         averaged_values: judge value rows under the attention-averaged input moment
             (:func:`refine_for_averaged_values`) instead of the per-token one.
+        drop_fast_terms: remove (instead of keeping position-free) the non-RoPE terms whose
+            removal costs less (needs ``rope_criterion='perturbation'``).
     The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_splits``.
     """
     if rope_criterion not in ROPE_CRITERIA:
@@ -515,7 +554,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
             def make_hook(i):
                 def hook(attn, args, kwargs):
                     hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                    scored[i] = layer_rope_scores(attn, hidden, _layer_inv_freq(model, i, d), shared_rope_key, rope_criterion)
+                    scored[i] = layer_rope_scores(attn, hidden, _layer_inv_freq(model, i, d), shared_rope_key, rope_criterion,
+                                                  drop=drop_fast_terms)
 
                 return hook
 
