@@ -16,6 +16,8 @@ from hf_csa2.surgery.mla import (
     factorise_kv,
     head_mixing,
     rope_component_scores,
+    score_rope_slots,
+    split_from_scores,
     split_key_rows,
 )
 from hf_csa2.surgery.pipeline import convert
@@ -122,6 +124,26 @@ def test_perturbation_scores_are_zero_exactly_when_a_component_carries_nothing()
     assert rope_component_scores(q, k, torch.tensor([1.0, 0.1, 0.0]), 0.5)[:, 2].abs().max() == 0
     split = choose_rope_split(q, k, torch.tensor([1.0, 0.1, 0.01]), 0.5, 1, shared=False)
     assert split.pairs == [[0], [0]]
+
+
+def test_drop_scores_and_dropped_cells_are_removed_from_the_keys():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.complex(torch.randn(2, 4, 32, 3, generator=gen), torch.randn(2, 4, 32, 3, generator=gen))
+    k = torch.complex(torch.randn(2, 2, 32, 3, generator=gen), torch.randn(2, 2, 32, 3, generator=gen))
+    inv_freq = torch.tensor([2.5, 1.3, 0.0])  # two fast frequencies, one that never rotates
+    nope, drop = rope_component_scores(q, k, inv_freq, 0.5, drop_scores=True)
+    assert (drop > 0).all() and (nope[:, 2] == 0).all()
+    # A term that rotates fast is ~uncorrelated with its unrotated copy: removing it is cheaper.
+    assert (drop[:, :2] < nope[:, :2]).all()
+    for shared in (False, True):
+        scored = score_rope_slots(q, k, inv_freq, 0.5, shared, drop=True)
+        split = split_from_scores(scored, 1, shared)
+        kept = set(split.slots) if split.slots else {(f, j) for j, fs in enumerate(split.pairs) for f in fs}
+        assert split.dropped and all(f != 2 for f, _ in split.dropped) and not kept & set(split.dropped)
+    k_aug = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64)
+    per_head = RopeSplit([[0], [0]], dropped=[(1, 0)])
+    _, free, _ = split_key_rows(k_aug, per_head)
+    assert free[0, [1, 4]].abs().max() == 0 and torch.equal(free[1], k_aug[1]) and torch.equal(free[0, 0], k_aug[0, 0])
 
 
 def test_activation_aware_latent_is_closer_to_the_source_than_weight_svd():
