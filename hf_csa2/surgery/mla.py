@@ -346,9 +346,16 @@ def refine_for_averaged_values(rows: torch.Tensor, a: torch.Tensor, num_key_rows
     return a, b
 
 
-def attention_averaged_moment(attn, hidden: torch.Tensor, position_embeddings, attention_mask=None) -> torch.Tensor:
+def attention_averaged_moment(attn, hidden: torch.Tensor, position_embeddings, attention_mask=None,
+                              max_windows: int = 4) -> torch.Tensor:
     """``E[x- x-^T]`` [d+1, d+1] of the attention-averaged augmented inputs ``x- = sum_j p_j x~_j``
-    over every query position and query head of a dense source layer; hidden [N, T, d]."""
+    over every query position and query head of a dense source layer; hidden [N, T, d] (the
+    first ``max_windows`` windows: the averages cost O(T^2 d) per head)."""
+    hidden = hidden[:max_windows]
+    if attention_mask is not None:
+        attention_mask = attention_mask[:max_windows]
+    cos, sin = position_embeddings
+    position_embeddings = (cos[:max_windows], sin[:max_windows])
     n, t, _ = hidden.shape
     q, k = pre_rope_qk(attn, hidden)
     cos, sin = position_embeddings
