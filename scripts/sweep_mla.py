@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--averaged-values", default="false",
                         help="comma list of false/true: value rows judged under the attention-averaged input moment")
     parser.add_argument("--drop", default="false", help="comma list of false/true: drop fast non-RoPE terms")
+    parser.add_argument("--uneven", default="false", help="comma list of false/true: per-layer ranks (same total)")
     parser.add_argument("--full-rank", action="store_true",
                         help="latent at the exact rank (ignores --budget): isolates what the RoPE split costs")
     args = parser.parse_args()
@@ -50,14 +51,16 @@ def main() -> None:
             for fact in args.factorisations.split(","):
                 for averaged in [v == "true" for v in args.averaged_values.split(",")]:
                     for drop in [v == "true" for v in args.drop.split(",")]:
-                        t = time.perf_counter()
-                        model = apply_mla(src.model, rank, pairs, windows=calib, rope_criterion=criterion,
-                                          factorisation=fact, refit_output=not args.no_refit, shared_rope_key=args.shared,
-                                          averaged_values=averaged, drop_fast_terms=drop)
-                        ppl = mean_nll(model, held)["ppl"]
-                        name = (f"n={pairs} r={rank} {criterion} {fact}{' averaged-values' if averaged else ''}"
-                                f"{' drop' if drop else ''}")
-                        print(f"| {name} | {ppl:.3f} | {ppl / base:.3f} | {time.perf_counter() - t:.0f} |", flush=True)
+                        for uneven in [v == "true" for v in args.uneven.split(",")]:
+                            t = time.perf_counter()
+                            model = apply_mla(src.model, rank, pairs, windows=calib, rope_criterion=criterion,
+                                              factorisation=fact, refit_output=not args.no_refit,
+                                              shared_rope_key=args.shared, averaged_values=averaged,
+                                              drop_fast_terms=drop, uneven_ranks=uneven)
+                            ppl = mean_nll(model, held)["ppl"]
+                            name = (f"n={pairs} r={rank} {criterion} {fact}{' averaged-values' if averaged else ''}"
+                                    f"{' drop' if drop else ''}{' uneven' if uneven else ''}")
+                            print(f"| {name} | {ppl:.3f} | {ppl / base:.3f} | {time.perf_counter() - t:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -404,11 +404,67 @@ def _block_diag_weight(key_blocks, value_blocks, alpha: float) -> torch.Tensor:
     return torch.block_diag(*blocks)
 
 
-def mla_specs(specs: list[dict], rank: int, splits: list[RopeSplit], latent_norm: bool = False) -> list[dict]:
-    """Turn dense specs into MLA specs (same KV-head count and sinks)."""
+def mla_specs(specs: list[dict], ranks: list[int], splits: list[RopeSplit], latent_norm: bool = False) -> list[dict]:
+    """Turn dense specs into MLA specs (same KV-head count and sinks), one rank per layer."""
     return [{"kind": "mla", "num_key_value_heads": s["num_key_value_heads"], "kv_lora_rank": rank,
              "rope_pairs": split.pairs, "sinks": s.get("sinks", False), "latent_norm": latent_norm}
-            for s, split in zip(specs, splits)]
+            for s, split, rank in zip(specs, splits, ranks)]
+
+
+@torch.no_grad()
+def allocate_ranks(model, splits: list[RopeSplit], windows: torch.Tensor, average_rank: int, step: int = 4,
+                   min_rank: int | None = None) -> list[int]:
+    """Uneven latent ranks with ``sum = layers * average_rank``, chosen from calibration error.
+
+    For each layer (source activations on ``windows``) the weighted factorisation error at
+    rank ``r`` is the tail of the spectrum of ``S M E[x~ x~^T] M^T S`` (balance factor 1),
+    relative to the energy of the layer's attention output; from a floor of ``min_rank``
+    (default a quarter of the average), ranks are handed out ``step`` at a time to the layer
+    whose relative error drops most (greedy water-filling, optimal for convex tails).
+    """
+    layers = decoder_layers(model)
+    tails: list[torch.Tensor] = [None] * len(layers)
+    widths: list[int] = [0] * len(layers)
+
+    def make_hook(i):
+        def hook(attn, args, kwargs, output):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            moment = augmented_moment(hidden)
+            d = attn.head_dim
+            h = attn.k_proj.weight.shape[0] // d
+            k_aug = _augment(attn.k_proj.weight, attn.k_proj.bias).view(h, d, -1)
+            v_aug = _augment(attn.v_proj.weight, attn.v_proj.bias).view(h, d, -1)
+            _, k_free, _ = split_key_rows(k_aug, splits[i])
+            mixed = splits[i].mixing is not None
+            nope_dims = rope_dim_indices(splits[i].pairs, d, mixed)[1]
+            rope_of_kv = torch.arange(h) if len(splits[i].pairs) > 1 else torch.zeros(h, dtype=torch.long)
+            rows = stacked_kv_rows(k_free, v_aug, nope_dims, rope_of_kv)
+            kb, vb = _balance_blocks(attn, hidden, attn.o_proj.weight.detach(), nope_dims, rope_of_kv, h, None)
+            k_energy = sum(b.pow(2).sum() for b in kb)
+            v_energy = sum(b.pow(2).sum() for b in vb)
+            alpha = math.sqrt(v_energy / k_energy) if k_energy > 0 else 1.0
+            y = _block_diag_weight(kb, vb, alpha) @ rows
+            vals = torch.linalg.eigvalsh(y @ moment @ y.T).flip(0).clamp_min(0)
+            out_energy = output[0].double().pow(2).sum(-1).mean().clamp_min(1e-30)
+            tails[i] = (vals.sum() - torch.cat([vals.new_zeros(1), vals.cumsum(0)])) / out_energy  # tail[r]
+            widths[i] = rows.shape[0]
+
+        return hook
+
+    run_with_attention_hooks(model, windows, lambda i, a: a.register_forward_hook(make_hook(i), with_kwargs=True))
+    floor = max(1, average_rank // 4) if min_rank is None else min(min_rank, average_rank)
+    ranks = [min(floor, w) for w in widths]
+    budget = average_rank * len(layers) - sum(ranks)
+    while budget > 0:
+        gains = [(tails[i][r] - tails[i][min(r + min(step, budget), widths[i])]).item() if r < widths[i] else -1.0
+                 for i, r in enumerate(ranks)]
+        best = max(range(len(ranks)), key=lambda i: gains[i])
+        if gains[best] < 0:
+            break
+        add = min(step, budget, widths[best] - ranks[best])
+        ranks[best] += add
+        budget -= add
+    return ranks
 
 
 def refit_up_projection(attn: Csa2LatentAttention, rows: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
@@ -505,7 +561,7 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
               rope_criterion: str = "perturbation", factorisation: str = "activation_aware",
               shared_rope_key: bool = False, refit_output: bool = True, ridge: float = 0.3,
               splits: list[RopeSplit] | None = None, latent_norm: bool = False, uniform_rope: bool = False,
-              averaged_values: bool = False, drop_fast_terms: bool = False):
+              averaged_values: bool = False, drop_fast_terms: bool = False, uneven_ranks: bool = False):
     """Return a copy of ``model`` (native or hf_csa2 with dense layers) with MLA layers.
 
     Args:
@@ -525,6 +581,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
             (:func:`refine_for_averaged_values`) instead of the per-token one.
         drop_fast_terms: remove (instead of keeping position-free) the non-RoPE terms whose
             removal costs less (needs ``rope_criterion='perturbation'``).
+        uneven_ranks: ``kv_lora_rank`` is the AVERAGE rank; each layer's comes from
+            :func:`allocate_ranks` (same total cache).
     The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_splits``.
     """
     if rope_criterion not in ROPE_CRITERIA:
@@ -571,7 +629,12 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
             splits = [split_from_scores(sc, num_rope_pairs, shared_rope_key, counts) for sc in scored]
     if latent_norm and (windows is None or factorisation != "activation_aware"):
         raise ValueError("latent_norm needs calibration windows and factorisation='activation_aware'")
-    new = to_csa2(model, mla_specs(specs, kv_lora_rank, splits, latent_norm))
+    ranks = [kv_lora_rank] * len(layers)
+    if uneven_ranks:
+        if windows is None:
+            raise ValueError("uneven_ranks needs calibration windows")
+        ranks = allocate_ranks(model, splits, windows[:4], kv_lora_rank)
+    new = to_csa2(model, mla_specs(specs, ranks, splits, latent_norm))
     new_layers = decoder_layers(new)
     new.rope_splits = splits
 
@@ -582,7 +645,7 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
 
     if factorisation == "weight_svd":
         for i, layer in enumerate(new_layers):
-            _set_latent(layer.self_attn, splits[i], *source_rows(i), kv_lora_rank)
+            _set_latent(layer.self_attn, splits[i], *source_rows(i), ranks[i])
         new.fit_notes = [{} for _ in new_layers]
         return new
     if windows is None:
@@ -602,14 +665,14 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
                                                   attn_kwargs.get("attention_mask")) if averaged_values else None)
         best = None
         for mult in BALANCE_GRID if attn.nope_width else (1.0,):
-            _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * mult), hidden,
+            _set_latent(attn, splits[i], *source_rows(i), ranks[i], moment, _block_diag_weight(kb, vb, base * mult), hidden,
                         value_moment)
             # Not attn(...): that would re-enter this very pre-hook.
             a, _ = attn.attention_output(hidden, attn_kwargs["position_embeddings"], attn_kwargs.get("attention_mask"))
             err = ((attn.o_proj(a) - targets[i]).pow(2).sum() / targets[i].pow(2).sum()).item()
             if best is None or err < best[0]:
                 best = (err, mult)
-        _set_latent(attn, splits[i], *source_rows(i), kv_lora_rank, moment, _block_diag_weight(kb, vb, base * best[1]), hidden,
+        _set_latent(attn, splits[i], *source_rows(i), ranks[i], moment, _block_diag_weight(kb, vb, base * best[1]), hidden,
                     value_moment)
         notes = {"balance": best[1], "rel_err": best[0]}
         if refit_output:
@@ -636,6 +699,6 @@ def _layer_inv_freq(model, layer_idx: int, head_dim: int) -> torch.Tensor:
     return inv.float()
 
 
-__all__ = ["FACTORISATIONS", "ROPE_CRITERIA", "RopeSplit", "apply_mla", "choose_rope_split", "factorise_kv",
+__all__ = ["FACTORISATIONS", "ROPE_CRITERIA", "RopeSplit", "allocate_ranks", "apply_mla", "choose_rope_split", "factorise_kv",
            "full_stack_width", "head_mixing", "layer_rope_scores", "split_from_scores", "uniform_frequency_counts", "mla_specs", "pre_rope_qk", "rope_component_scores",
            "split_key_rows"]

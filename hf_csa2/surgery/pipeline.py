@@ -96,8 +96,11 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
                   refit_output=mla.refit_output, ridge=mla.ridge)
     new = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation=mla.init,
                     latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
-                    averaged_values=mla.averaged_values, **kwargs)
+                    averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms,
+                    uneven_ranks=mla.uneven_ranks, **kwargs)
     notes: dict = {"init": mla.init, "rope_key": mla.rope_key, "rope_criterion": mla.rope_criterion}
+    if mla.uneven_ranks:
+        notes["kv_lora_ranks"] = [s["kv_lora_rank"] for s in new.config.attention_layers]
     fits = [f for f in new.fit_notes if f]
     if fits:
         notes["attn_out_rel_err_before_refit"] = sum(f["rel_err"] for f in fits) / len(fits)
@@ -106,7 +109,7 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
     if mla.compare_weight_svd and mla.init != "weight_svd" and calib.score.shape[0]:
         # Same rope slots, plain SVD latent (no latent norm), no refit: the baseline the init must beat.
         baseline = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation="weight_svd",
-                             splits=new.rope_splits, shared_rope_key=shared)
+                             splits=new.rope_splits, shared_rope_key=shared)  # uniform rank: same total cache
         notes["weight_svd_calib_ppl"] = mean_nll(baseline, calib.score)["ppl"]
         del baseline
     return new, notes

@@ -61,6 +61,8 @@ class MlaPlan:
     latent_norm: bool = False  # RMS-normalise the latent (DeepSeek-V3 kv_a_layernorm; needed for export)
     uniform_rope: bool = False  # the same rope frequencies in every layer (one rope table; needed for export)
     averaged_values: bool = False  # judge value rows under the attention-averaged input moment (alternating refinement)
+    drop_fast_terms: bool = False  # remove non-RoPE terms whose removal costs less than a position-free copy
+    uneven_ranks: bool = False  # kv_lora_rank is the average; per-layer ranks from calibration error (same total)
     compare_weight_svd: bool = True  # also score the plain weight-SVD init in the stage report
     refit_output: bool = True  # least-squares refit of o_proj to the source's attention output
     ridge: float = 0.3

@@ -146,6 +146,17 @@ def test_drop_scores_and_dropped_cells_are_removed_from_the_keys():
     assert free[0, [1, 4]].abs().max() == 0 and torch.equal(free[1], k_aug[1]) and torch.equal(free[0, 0], k_aug[0, 0])
 
 
+def test_uneven_ranks_keep_the_total_cache():
+    from hf_csa2.evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
+
+    src = tiny_model("llama")
+    fit = torch.randint(3, VOCAB, (4, 48), generator=torch.Generator().manual_seed(2))
+    uneven = apply_mla(src, 8, 2, windows=fit, uneven_ranks=True)
+    ranks = [s["kv_lora_rank"] for s in uneven.config.attention_layers]
+    assert sum(ranks) == 16 and len(set(ranks)) > 1 and min(ranks) >= 2
+    assert measure_kv_elements_per_token(uneven) == config_kv_elements_per_token(uneven.config) == 16 + 2 * 2 * 2 * 2
+
+
 def test_activation_aware_latent_is_closer_to_the_source_than_weight_svd():
     """On a tiny random model ppl means little; the logits' distance to the source is what the
     init optimises (same rope slots, no o_proj refit). The SmolLM2 ppl comparison is in
