@@ -28,8 +28,9 @@ def run_with_attention_hooks(model: nn.Module, windows: torch.Tensor, attach: Ca
     model.eval()
     try:
         step = batch_size or windows.shape[0]
+        decoder = getattr(model, "model", model)  # the decoder stack only: the hooks never need logits
         for start in range(0, windows.shape[0], step):
-            model(input_ids=windows[start : start + step], use_cache=False)
+            decoder(input_ids=windows[start : start + step], use_cache=False)
     finally:
         model.train(was_training)
         for h in handles:
