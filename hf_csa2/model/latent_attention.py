@@ -120,9 +120,8 @@ class Csa2LatentAttention(Csa2AttentionBase):
 
         # A rope key shared by several KV heads mixes them: queries then read it through coefficients.
         self.mixed_rope = len(spec["rope_pairs"]) == 1 and self.num_key_value_heads > 1
-        # Index tables as plain per-device tensors, not buffers: a meta-device load (as
-        # from_pretrained does) would leave non-persistent buffers uninitialised.
-        # Built lazily (never under from_pretrained's meta-device context).
+        # Index tables as plain per-device tensors built lazily, not buffers: from_pretrained
+        # builds modules on the meta device and would leave non-persistent buffers uninitialised.
         self._indices: dict[torch.device, dict[str, torch.Tensor]] = {}
         self.num_rope_heads = len(spec["rope_pairs"])  # R
         self.rope_width = 2 * len(spec["rope_pairs"][0])  # 2n
