@@ -5,8 +5,8 @@ What the stock format can express, and therefore what an exportable model must b
 
 * MLA in every layer with ONE rope key shared by all heads (a single KV head, or a mixed
   shared key), a normalised latent (``kv_a_layernorm``), the same rank everywhere;
-* no sinks, no projection biases, no QK-norm, no sliding-window layers, SiLU-gated MLPs
-  (Llama-family sources: llama, mistral without a window, qwen2 without biases);
+* no sinks, no query/up-projection biases (a latent bias maps to ``attention_bias``), no
+  QK-norm, no sliding-window layers, SiLU-gated MLPs (llama, mistral without a window);
 * a RoPE of the source's default type.
 
 The mapping: ``q_proj`` gets, per head, the position-free query rows followed by the rope
@@ -69,8 +69,9 @@ def export_problems(model) -> list[str]:
         problems.append("sink logits (DeepSeek-V3 has none)")
     for layer in model.model.layers:
         attn = layer.self_attn
-        if any(getattr(getattr(attn, n, None), "bias", None) is not None for n in ("q_proj", "o_proj", "kv_a_proj", "kv_b_proj")):
-            problems.append("projection biases (allowed: none)")
+        kv_b_bias = getattr(getattr(attn, "kv_b_proj", None), "bias", None)
+        if getattr(attn.q_proj, "bias", None) is not None or (kv_b_bias is not None and kv_b_bias.abs().max() > 0):
+            problems.append("query or up-projection biases (allowed: a latent bias only)")
             break
     return problems
 
@@ -99,7 +100,7 @@ def deepseek_v3_config(model) -> DeepseekV3Config:
         kv_lora_rank=attn.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=rope_dim,
         qk_nope_head_dim=attn.nope_width, v_head_dim=attn.head_dim, hidden_act=cfg.hidden_act,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, rope_interleave=False,
+        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=attn.kv_a_proj.bias is not None, rope_interleave=False,
         rope_parameters={
             "rope_type": "longrope", "rope_theta": theta, "short_factor": factors, "long_factor": factors,
             "original_max_position_embeddings": cfg.max_position_embeddings, "factor": 1.0, "attention_factor": 1.0,
@@ -143,6 +144,10 @@ def to_deepseek_v3(model) -> DeepseekV3ForCausalLM:
         prefix = f"model.layers.{i}.self_attn."
         scale = attn.scaling / (attn.nope_width + attn.rope_width) ** -0.5
         up = attn.kv_b_proj.weight.view(attn.num_key_value_heads, -1, attn.kv_lora_rank)[attn.kv_of_query]
+        if config.attention_bias:  # DeepSeek-V3 then also gives o_proj a bias
+            state[prefix + "kv_a_proj_with_mqa.bias"] = attn.kv_a_proj.bias
+            o_bias = attn.o_proj.bias
+            state[prefix + "o_proj.bias"] = torch.zeros_like(attn.o_proj.weight[:, 0]) if o_bias is None else o_bias
         state.update({
             prefix + "q_proj.weight": _query_rows(attn, scale).to(model.dtype),
             prefix + "kv_a_proj_with_mqa.weight": attn.kv_a_proj.weight,

@@ -127,7 +127,8 @@ class Csa2LatentAttention(Csa2AttentionBase):
         self.rope_width = 2 * len(spec["rope_pairs"][0])  # 2n
         self.nope_width = d if self.mixed_rope else d - self.rope_width
 
-        bias = source.k_proj.bias is not None
+        # A normalised latent keeps one constant (bias-only) coordinate: see the surgery's scale_anchor.
+        bias = source.k_proj.bias is not None or bool(spec.get("latent_norm"))
         hidden = source.q_proj.in_features
         dtype = source.q_proj.weight.dtype
         self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.num_rope_heads * self.rope_width, bias=bias, dtype=dtype)

@@ -467,6 +467,24 @@ def allocate_ranks(model, splits: list[RopeSplit], windows: torch.Tensor, averag
     return ranks
 
 
+def scale_anchor(down: torch.Tensor, hidden: torch.Tensor | None, ratio: float = 100.0) -> torch.Tensor:
+    """A latent row [1, d+1] that is a large constant (bias only).
+
+    An RMS norm on the latent throws away each token's latent magnitude, which keys and values
+    need. With one coordinate held at ``beta`` >> ``|c|`` the RMS is ~``beta / sqrt(r)`` for
+    every token, so the norm becomes a constant rescale (relative wobble ``|c|^2 / 2 beta^2``,
+    5e-5 at ``ratio`` 100) and the up-projection, refitted after it, sees the magnitudes again.
+    """
+    if hidden is None:
+        raise ValueError("a normalised latent needs calibration activations")
+    x = hidden.reshape(-1, hidden.shape[-1]).double()
+    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
+    beta = ratio * (x @ down.T).pow(2).sum(-1).max().sqrt().clamp_min(1.0)
+    row = torch.zeros(1, down.shape[1], dtype=torch.float64)
+    row[0, -1] = beta
+    return row
+
+
 def refit_up_projection(attn: Csa2LatentAttention, rows: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
                         ridge: float = 1e-6) -> torch.Tensor:
     """Up-projection ``B`` [m, r] for a normalised latent: least squares of the target rows'
@@ -528,7 +546,10 @@ def _set_latent(attn: Csa2LatentAttention, split: RopeSplit, k_w, k_b, v_w, v_b,
     v_aug = _augment(v_w, v_b).view(h, d, -1)
     rope_rows, k_free, coef = split_key_rows(k_aug, split)
     rows = stacked_kv_rows(k_free, v_aug, attn.nope_dims, attn.rope_of_kv)
-    a, b = factorise_kv(rows, rank, moment, weight)
+    keep_scale = attn.kv_a_layernorm is not None and rank > 1
+    a, b = factorise_kv(rows, rank - 1 if keep_scale else rank, moment, weight)
+    if keep_scale:
+        a = torch.cat([a, scale_anchor(a, hidden)])
     if value_moment is not None:
         key_rows = torch.cat([torch.arange(attn.nope_width + d) < attn.nope_width for _ in range(h)])
         a, b = refine_for_averaged_values(rows, a, key_rows, moment, value_moment, weight)

@@ -54,7 +54,7 @@ def test_non_exportable_models_are_refused_with_every_reason():
     qwen3 = apply_mla(tiny_model("qwen3"), 6, 2, windows=windows())
     assert any("'qwen3'" in p for p in export_problems(qwen3))
     qwen2 = apply_mla(tiny_model("qwen2"), 6, 3, windows=windows(), shared_rope_key=True, latent_norm=True, uniform_rope=True)
-    assert export_problems(qwen2) == ["projection biases (allowed: none)"]
+    assert export_problems(qwen2) == ["query or up-projection biases (allowed: a latent bias only)"]
     assert "not an hf_csa2 model" in export_problems(src)[0]
 
 
