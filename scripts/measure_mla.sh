@@ -12,6 +12,7 @@ for preset in smollm2-mla-half smollm2-mla-quarter smollm2-mla-quarter-dsv3; do
 done
 hf-csa2 export "$OUT/smollm2-mla-quarter-dsv3" --format deepseek_v3 --out "$OUT/smollm2-mla-quarter-dsv3-export" --overwrite
 python scripts/check_export.py "$OUT/smollm2-mla-quarter-dsv3" "$OUT/smollm2-mla-quarter-dsv3-export"
+python scripts/check_export.py "$OUT/smollm2-mla-quarter-dsv3" "$OUT/smollm2-mla-quarter-dsv3-export" --dtype float64
 hf-csa2 eval ppl smollm2-135m "$OUT/smollm2-mla-half" "$OUT/smollm2-mla-quarter" "$OUT/smollm2-mla-quarter-dsv3" \
   "$OUT/smollm2-mla-quarter-dsv3-export" --text python-docs:heldout --window 512 --max-windows 16 --json "$OUT/mla_heldout_ppl.json"
 for preset in smollm2-mla-half smollm2-mla-quarter smollm2-mla-quarter-dsv3; do
