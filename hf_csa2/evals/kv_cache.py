@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_csa2.model.configuration_hf_csa2 import QK_NORM_BASE_MODEL_TYPES as QK_NORM_MODEL_TYPES
+
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -28,9 +30,6 @@ def layer_attention_specs(config) -> list[dict]:
         sliding = layer_type == "sliding_attention" or (window is not None and arch == "mistral")
         out.append({**spec, "window": window if sliding else None})
     return out
-
-
-QK_NORM_MODEL_TYPES = ("qwen3", "gemma3_text")
 
 
 def layer_kv_elements_per_token(spec: dict, head_dim: int, qk_norm: bool = False) -> int:

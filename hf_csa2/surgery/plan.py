@@ -201,7 +201,9 @@ class ConversionPlan:
         kv = self.gqa.num_key_value_heads if self.gqa is not None else (
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         mixed = mla.rope_key == "shared" and kv > 1
-        if mixed and config.model_type in ("qwen3", "gemma3_text"):
+        from ..model.configuration_hf_csa2 import QK_NORM_BASE_MODEL_TYPES
+
+        if mixed and config.model_type in QK_NORM_BASE_MODEL_TYPES:
             raise PlanError(
                 f"mla.rope_key='shared' with {kv} KV heads needs a source without QK-norm ({config.model_type} "
                 "normalises each key head separately); allowed here: rope_key: per_head, or gqa.num_key_value_heads: 1"
