@@ -1,12 +1,9 @@
 """MLA layers (Csa2LatentAttention) on tiny configs of every supported architecture:
 full-rank exactness, explicit == absorbed, cache consistency, cache size, sinks, reload."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from remote_code import assert_reloads_without_hf_csa2
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 from hf_csa2.evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
@@ -157,29 +154,6 @@ def test_shared_rope_key_refused_for_qk_norm_sources():
         Csa2Config.from_base_config(base, [{"kind": "mla", "num_key_value_heads": 2, "kv_lora_rank": 4, "rope_pairs": [[0]]}] * 2)
 
 
-REMOTE_CODE_CHECK = """
-import sys, torch
-sys.modules["hf_csa2"] = None  # any import of hf_csa2 now fails
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-x = torch.load(sys.argv[2])
-torch.save({"logits": model(x).logits, "gen": model.generate(x, max_new_tokens=5, do_sample=False)}, sys.argv[3])
-"""
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_reload_without_hf_csa2_via_remote_code(arch, tmp_path):
-    model = low_rank_mla(arch, shared=arch == "llama", sinks=True)
-    model.save_pretrained(tmp_path / "ckpt")
-    x = ids()
-    torch.save(x, tmp_path / "x.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    proc = subprocess.run(
-        [sys.executable, "-c", REMOTE_CODE_CHECK, str(tmp_path / "ckpt"), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
-    torch.testing.assert_close(got["logits"], model(x).logits, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got["gen"], model.generate(x, max_new_tokens=5, do_sample=False))
+    assert_reloads_without_hf_csa2(low_rank_mla(arch, shared=arch == "llama", sinks=True), ids(), tmp_path)

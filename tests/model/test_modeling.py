@@ -1,13 +1,10 @@
 """Csa2ForCausalLM on tiny configs of every supported architecture."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
+from remote_code import assert_reloads_without_hf_csa2
 from tiny_models import ARCHS, VOCAB, tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -183,34 +180,6 @@ def test_sinks_are_trainable_and_act_as_the_gate():
     torch.testing.assert_close(captured["out"], expected, atol=1e-5, rtol=1e-5)
 
 
-REMOTE_CODE_CHECK = textwrap.dedent(
-    """
-    import sys, json, torch
-    sys.modules["hf_csa2"] = None  # make `import hf_csa2` fail: this process must not need it
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
-    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-    x = torch.load(sys.argv[2])
-    logits = model(x).logits
-    gen = model.generate(x, max_new_tokens=5, do_sample=False)
-    torch.save({"logits": logits, "gen": gen}, sys.argv[3])
-    """
-)
-
-
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_reload_without_hf_csa2_via_remote_code(arch, tmp_path):
-    model = with_sinks(tiny_model(arch), values=-1.0, kv_heads=1)
-    model.save_pretrained(tmp_path / "ckpt")
-    x = ids()
-    torch.save(x, tmp_path / "x.pt")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["HF_MODULES_CACHE"] = str(tmp_path / "modules")
-    proc = subprocess.run(
-        [sys.executable, "-c", REMOTE_CODE_CHECK, str(tmp_path / "ckpt"), str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = torch.load(tmp_path / "out.pt")
-    torch.testing.assert_close(got["logits"], model(x).logits, atol=1e-5, rtol=1e-5)
-    assert torch.equal(got["gen"], model.generate(x, max_new_tokens=5, do_sample=False))
+    assert_reloads_without_hf_csa2(with_sinks(tiny_model(arch), values=-1.0, kv_heads=1), ids(), tmp_path)
