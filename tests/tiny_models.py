@@ -16,9 +16,9 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 VOCAB = 128
 
 
-def tiny_config(arch: str, num_kv_heads: int = 2, num_heads: int = 4, max_position_embeddings: int = 256):
+def tiny_config(arch: str, num_kv_heads: int = 2, num_heads: int = 4, max_position_embeddings: int = 256, num_layers: int = 2):
     common = dict(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=12,
         max_position_embeddings=max_position_embeddings, initializer_range=0.2, pad_token_id=0, eos_token_id=1, bos_token_id=2,
     )
@@ -33,7 +33,7 @@ def tiny_config(arch: str, num_kv_heads: int = 2, num_heads: int = 4, max_positi
     if arch == "gemma3_text":  # QK-norm, query_pre_attn_scalar, sliding/global layers
         return Gemma3TextConfig(
             **common, sliding_window=7, query_pre_attn_scalar=12,
-            layer_types=["sliding_attention", "full_attention"],
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2) + ["sliding_attention"] * (num_layers % 2),
         )
     raise ValueError(arch)
 

@@ -28,6 +28,9 @@ def layer_attention_specs(config) -> list[dict]:
         arch = getattr(config, "base_model_type", None) or config.model_type
         # Mistral has no layer_types: its one sliding_window applies to every layer.
         sliding = layer_type == "sliding_attention" or (window is not None and arch == "mistral")
+        if spec.get("kind") == "csa2":  # own window ring; full layers keep every entry
+            out.append({**spec, "window": None if spec["mode"] == "full" else spec["window"]})
+            continue
         out.append({**spec, "window": window if sliding else None})
     return out
 
@@ -35,10 +38,12 @@ def layer_attention_specs(config) -> list[dict]:
 def layer_kv_elements_per_token(spec: dict, head_dim: int, qk_norm: bool = False) -> int:
     """Cache elements one token adds to one layer: ``2 * H * D`` for dense attention; for MLA
     the latent plus the rope keys (``kv_lora_rank + R * 2n``), plus one key scale per KV head
-    for QK-norm sources."""
-    if spec["kind"] == "mla":
+    for QK-norm sources; a CSA2 full layer adds its index key, CSA2 window layers hold their own
+    ``2 * H * D`` while the token is in their window."""
+    if spec["kind"] == "mla" or spec.get("mode") == "full":
         rope = sum(2 * len(p) for p in spec["rope_pairs"])
-        return spec["kv_lora_rank"] + rope + (spec["num_key_value_heads"] if qk_norm else 0)
+        index_key = spec.get("index_head_dim", 0)  # CSA2 full layers also cache one index key
+        return spec["kv_lora_rank"] + rope + (spec["num_key_value_heads"] if qk_norm else 0) + index_key
     return 2 * spec["num_key_value_heads"] * head_dim
 
 
@@ -52,6 +57,20 @@ def config_kv_elements_per_token(config) -> int:
     arch = getattr(config, "base_model_type", None) or config.model_type
     qk_norm = arch in QK_NORM_MODEL_TYPES
     return sum(layer_kv_elements_per_token(spec, d, qk_norm) for spec in layer_attention_specs(config))
+
+
+def config_kv_elements_at_context(config, num_tokens: int) -> int:
+    """Cache elements held (all layers) after ``num_tokens`` tokens, from the config alone:
+    a layer with a window keeps its last ``window - 1`` tokens (transformers' sliding cache
+    layers; the newest token joins at read time), every other layer keeps them all."""
+    d = _head_dim(config)
+    arch = getattr(config, "base_model_type", None) or config.model_type
+    qk_norm = arch in QK_NORM_MODEL_TYPES
+    total = 0
+    for spec in layer_attention_specs(config):
+        held = num_tokens if not spec["window"] else min(num_tokens, spec["window"] - 1)
+        total += held * layer_kv_elements_per_token(spec, d, qk_norm)
+    return total
 
 
 def cache_tensors(cache):
@@ -97,4 +116,4 @@ def measure_kv_elements_per_token(model, num_tokens: int = 16) -> float:
     return live_cache_elements(out.cache) / num_tokens
 
 
-__all__ = ["cache_tensors", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]
+__all__ = ["cache_tensors", "config_kv_elements_at_context", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]

@@ -11,6 +11,10 @@ and masks), plus two fields of ours:
   ``{"kind": "dense", "num_key_value_heads": 1, "sinks": True}`` or
   ``{"kind": "mla", "num_key_value_heads": 3, "kv_lora_rank": 64, "rope_pairs": [[0, 1], ...], "sinks": False}``
   (multi-head latent attention: see ``latent_attention.py``).
+* CSA2 shared-KV sparse layers, ``{"kind": "csa2", "mode": "full" | "reindex" | "reuse" | "swa",
+  "window": W, ...}`` (see ``csa2_attention.py``): ``full`` adds the MLA fields plus ``top_k``,
+  ``index_heads``, ``index_head_dim``, ``index_rope_pairs``; ``reindex`` has ``source``,
+  ``top_k``, ``index_heads``; ``reuse`` has ``source``.
 * ``mla_attention_path`` -- how MLA layers compute: ``"auto"`` (explicit up-projection for
   prefill, absorbed for one-token decode steps), ``"explicit"`` or ``"absorbed"``.
 
@@ -26,7 +30,8 @@ from typing import Any
 from transformers import AutoConfig, PreTrainedConfig
 
 SUPPORTED_BASE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
-ATTENTION_KINDS = ("dense", "mla")
+ATTENTION_KINDS = ("dense", "mla", "csa2")
+CSA2_MODES = ("swa", "full", "reindex", "reuse")
 QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
 MLA_ATTENTION_PATHS = ("auto", "explicit", "absorbed")
 
@@ -70,10 +75,12 @@ def validate_attention_spec(spec: dict[str, Any], layer_idx: int, num_attention_
         )
     spec["sinks"] = bool(spec.get("sinks", False))
     allowed_keys = {"kind", "num_key_value_heads", "sinks"}
-    if kind == "mla":
+    if kind == "mla" or (kind == "csa2" and spec.get("mode") == "full"):
         allowed_keys |= {"kv_lora_rank", "rope_pairs", "latent_norm"}
         spec["latent_norm"] = bool(spec.get("latent_norm", False))
         _validate_mla(spec, where, kv_heads, head_dim, qk_norm)
+    if kind == "csa2":
+        allowed_keys |= _validate_csa2_layer(spec, where, head_dim)
     unknown = set(spec) - allowed_keys
     if unknown:
         raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed for kind={kind!r}: {sorted(allowed_keys)}")
@@ -108,6 +115,85 @@ def _validate_mla(spec: dict, where: str, kv_heads: int, head_dim: int | None, q
     spec["rope_pairs"] = [sorted(p) for p in pairs]
 
 
+def _positive_int(spec: dict, key: str, where: str) -> int:
+    value = spec.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}.{key}={value!r} must be an integer >= 1")
+    return value
+
+
+def _validate_csa2_layer(spec: dict, where: str, head_dim: int | None) -> set[str]:
+    """Per-layer checks of a ``kind: csa2`` spec; returns the keys its mode allows."""
+    mode = spec.get("mode")
+    if mode not in CSA2_MODES:
+        raise ValueError(f"{where}.mode={mode!r}; allowed: {', '.join(CSA2_MODES)}")
+    _positive_int(spec, "window", where)
+    keys = {"mode", "window"}
+    if mode in ("full", "reindex"):
+        _positive_int(spec, "top_k", where)
+        _positive_int(spec, "index_heads", where)
+        keys |= {"top_k", "index_heads", "index_head_dim", "index_rope_pairs"}
+    if mode == "full":
+        _positive_int(spec, "index_head_dim", where)
+        pairs = spec.setdefault("index_rope_pairs", [])
+        half = None if head_dim is None else head_dim // 2
+        if (not isinstance(pairs, list) or len(set(pairs)) != len(pairs)
+                or any(not isinstance(i, int) or i < 0 or (half is not None and i >= half) for i in pairs)
+                or 2 * len(pairs) > spec["index_head_dim"]):
+            raise ValueError(
+                f"{where}.index_rope_pairs={pairs!r} must be distinct pair indices in [0, {half}) "
+                f"filling at most index_head_dim={spec['index_head_dim']} dims (2 per pair)"
+            )
+        spec["index_rope_pairs"] = sorted(pairs)
+    if mode in ("reindex", "reuse"):
+        source = spec.get("source")
+        if not isinstance(source, int) or isinstance(source, bool) or source < 0:
+            raise ValueError(f"{where}.source={source!r} must be the index of an earlier layer")
+        keys |= {"source", "entries"}  # entries: derived from the sources (validate_csa2_sources)
+    return keys
+
+
+def validate_csa2_sources(specs: list[dict]) -> list[dict]:
+    """Cross-layer checks of CSA2 specs: every reindex/reuse layer reads an earlier layer of a
+    mode that has what it needs, and inherits the index geometry of the entries it reads.
+
+    A ``reindex`` layer needs an earlier ``full`` layer (its entries and index keys); a
+    ``reuse`` layer an earlier ``full`` or ``reindex`` layer (entries and Top-K), and a window
+    at least as wide as the one its Top-K was selected around (else positions between the two
+    windows would be read by neither). Returns the specs with ``entries`` (the layer whose
+    latent entries a reindex/reuse layer reads) and inherited index fields filled in.
+    """
+    specs = [dict(s) for s in specs]
+    for i, spec in enumerate(specs):
+        if spec.get("kind") != "csa2" or spec["mode"] not in ("reindex", "reuse"):
+            continue
+        where = f"attention_layers[{i}]"
+        src = spec["source"]
+        wanted = ("full",) if spec["mode"] == "reindex" else ("full", "reindex")
+        if src >= i or specs[src].get("kind") != "csa2" or specs[src].get("mode") not in wanted:
+            found = "a later layer" if src >= i else f"kind={specs[src].get('kind')!r} mode={specs[src].get('mode')!r}"
+            raise ValueError(
+                f"{where}: mode={spec['mode']!r} reads source={src}, which is {found}; it needs an earlier "
+                f"csa2 layer of mode {' or '.join(wanted)}"
+            )
+        source = specs[src]
+        spec["entries"] = src if source["mode"] == "full" else source["entries"]
+        if spec["mode"] == "reindex":
+            for key in ("index_head_dim", "index_rope_pairs"):
+                given = spec.setdefault(key, source[key])
+                if given != source[key]:
+                    raise ValueError(
+                        f"{where}.{key}={given!r}: a reindex layer scores its source's index keys, "
+                        f"so it must equal layer {src}'s {source[key]!r}"
+                    )
+        elif spec["window"] < source["window"]:
+            raise ValueError(
+                f"{where}.window={spec['window']} is narrower than its source layer {src}'s window "
+                f"{source['window']}: the Top-K it reuses skips that window; allowed: window >= {source['window']}"
+            )
+    return specs
+
+
 class Csa2Config(PreTrainedConfig):
     """Config of :class:`Csa2ForCausalLM`: a flattened source config plus per-layer attention specs."""
 
@@ -138,9 +224,9 @@ class Csa2Config(PreTrainedConfig):
                 )
             head_dim = getattr(self, "head_dim", None) or (self.hidden_size // num_heads)
             qk_norm = self.base_model_type in QK_NORM_BASE_MODEL_TYPES
-            self.attention_layers = [
+            self.attention_layers = validate_csa2_sources([
                 validate_attention_spec(s, i, num_heads, head_dim, qk_norm) for i, s in enumerate(self.attention_layers)
-            ]
+            ])
         if self.mla_attention_path not in MLA_ATTENTION_PATHS:
             raise ValueError(f"mla_attention_path={self.mla_attention_path!r}; allowed: {', '.join(MLA_ATTENTION_PATHS)}")
 
@@ -169,4 +255,4 @@ class Csa2Config(PreTrainedConfig):
         return all(s["kind"] == "dense" and not s["sinks"] for s in self.attention_layers) and len(kv) == 1
 
 
-__all__ = ["Csa2Config", "MLA_ATTENTION_PATHS", "QK_NORM_BASE_MODEL_TYPES", "SUPPORTED_BASE_MODEL_TYPES", "validate_attention_spec"]
+__all__ = ["CSA2_MODES", "Csa2Config", "MLA_ATTENTION_PATHS", "QK_NORM_BASE_MODEL_TYPES", "SUPPORTED_BASE_MODEL_TYPES", "validate_attention_spec", "validate_csa2_sources"]

@@ -319,7 +319,12 @@ class Csa2LatentAttention(Csa2AttentionBase):
         k, v = self._explicit_keys_values(latent, k_rope, k_scale)
         return self.attend(torch.cat([q_nope, q_rope], dim=-1), k, v, attention_mask, **kwargs)
 
-    def _absorbed(self, q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs):
+    def absorbed_operands(self, q_nope, q_rope, latent, k_rope, k_scale):
+        """Queries/keys/values of the absorbed path: the latent itself is read.
+
+        Returns (q [B, HQ, T, r+1+2n], k [B, H, S, r+1+2n], values = latent1 [B, 1, S, r+1],
+        v_up [H, D, r+1]); the output of head r is ``v_up[kv(r)] @ (sum_j p_j latent1_j)``.
+        """
         b, _, s, _ = latent.shape
         k_up, v_up = self._up_weights()  # [H, D_nope, r+1], [H, D, r+1]
         if k_scale is not None:
@@ -332,8 +337,10 @@ class Csa2LatentAttention(Csa2AttentionBase):
             k_lat = latent1.expand(b, self.num_key_value_heads, s, -1)
         else:
             k_lat = latent1 * k_scale[..., None]  # [B, H, S, r+1]
-        q = torch.cat([q_lat, q_rope], dim=-1)
-        k = torch.cat([k_lat, k_rope], dim=-1)
+        return torch.cat([q_lat, q_rope], dim=-1), torch.cat([k_lat, k_rope], dim=-1), latent1, v_up
+
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs):
+        q, k, latent1, v_up = self.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
         out_lat, weights = self.attend(q, k, latent1, attention_mask, **kwargs)  # [B, T, HQ, r+1]
         out = torch.einsum("bthr,hdr->bthd", out_lat, v_up[self.kv_of_query])
         return out, weights

@@ -5,7 +5,8 @@ transformers (Llama, Qwen2, Qwen3, Mistral, Gemma3) and swap each decoder layer'
 module for one of ours, which adopts the source module's projections and norms (same
 parameter names, so state dicts line up) and adds what the layer spec asks for: a different
 number of KV heads and per-head sink logits (:class:`Csa2Attention`), or multi-head latent
-attention (:class:`Csa2LatentAttention`).
+attention (:class:`Csa2LatentAttention`), or CSA2 shared-KV sparse attention
+(:class:`Csa2FullAttention`, :class:`Csa2WindowAttention`).
 
 Self-contained: imports only torch, transformers and sibling files, so ``save_pretrained``
 can copy it next to the weights for ``trust_remote_code=True``.
@@ -23,76 +24,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils.generic import can_return_tuple
 
-from .attention_base import SINK_OFF, Csa2AttentionBase, apply_rotary
+from .attention_base import SINK_OFF, Csa2AttentionBase
 from .configuration_hf_csa2 import Csa2Config
+from .csa2_attention import Csa2FullAttention, Csa2WindowAttention, EntryReader
+from .dense_attention import Csa2Attention
 from .latent_attention import Csa2LatentAttention
-
-
-class Csa2Attention(Csa2AttentionBase):
-    """Dense softmax attention with a per-layer KV-head count and optional per-head sinks.
-
-    Built from a source attention module (e.g. ``LlamaAttention`` or ``Gemma3Attention``)
-    whose projections/QK-norms it adopts; the forward is the one all supported sources share:
-    project -> (QK-norm) -> RoPE -> cache -> softmax attention (+ sinks) -> o_proj.
-    """
-
-    def __init__(self, source: nn.Module, config: Csa2Config, layer_idx: int, spec: dict):
-        super().__init__()
-        self.config = config
-        self.layer_idx = layer_idx
-        self.spec = dict(spec)
-        self.head_dim = source.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = spec["num_key_value_heads"]
-        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
-        self.scaling = source.scaling
-        self.attention_dropout = getattr(source, "attention_dropout", 0.0)
-        self.sliding_window = getattr(source, "sliding_window", None)
-        self.softcap = getattr(source, "attn_logit_softcapping", None)
-        self.is_causal = True
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = source.q_proj, source.k_proj, source.v_proj, source.o_proj
-        self.q_norm = getattr(source, "q_norm", None)
-        self.k_norm = getattr(source, "k_norm", None)
-        if spec["sinks"]:
-            self.sinks = nn.Parameter(torch.full((self.num_heads,), SINK_OFF, dtype=source.q_proj.weight.dtype))
-        else:
-            self.sinks = None
-
-    def project(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-        """hidden_states [B, T, hidden] -> q [B, HQ, T, D], k/v [B, H, T, D] (RoPE applied)."""
-        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape)  # [B, T, HQ, D]
-        k = self.k_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
-        v = self.v_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = position_embeddings
-        q, k = apply_rotary(q, k, cos, sin)
-        return q, k, v
-
-    def scoring_qk(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [B, HQ, T, D] and keys [B, H, T, D] whose scaled dot products are this
-        layer's attention logits (no cache); used by calibration."""
-        q, k, _ = self.project(hidden_states, position_embeddings)
-        return q, k
-
-    def attention_output(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Everything but ``o_proj``: hidden_states [B, T, hidden] -> ([B, T, HQ*D], weights or None)."""
-        input_shape = hidden_states.shape[:-1]
-        q, k, v = self.project(hidden_states, position_embeddings)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-
-        out, weights = self.attend(q, k, v, attention_mask, **kwargs)
-        return out.reshape(*input_shape, -1).contiguous(), weights
 
 
 def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_idx: int, spec: dict) -> Csa2AttentionBase:
@@ -101,10 +37,15 @@ def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_id
     exactly), or :class:`Csa2LatentAttention` (MLA) adopting the source's query/output side."""
     if spec["kind"] == "mla":
         return Csa2LatentAttention(source, config, layer_idx, spec)
+    if spec["kind"] == "csa2" and spec["mode"] == "full":
+        return Csa2FullAttention(source, config, layer_idx, spec)
     if spec["num_key_value_heads"] != base_config.num_key_value_heads:
         layer_config = copy.deepcopy(base_config)
         layer_config.num_key_value_heads = spec["num_key_value_heads"]
         source = type(source)(layer_config, layer_idx)
+    if spec["kind"] == "csa2":
+        entries = config.attention_layers[spec["entries"]] if "entries" in spec else None
+        return Csa2WindowAttention(source, config, layer_idx, spec, entries)
     return Csa2Attention(source, config, layer_idx, spec)
 
 
@@ -123,6 +64,8 @@ class Csa2PreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, Csa2AttentionBase) and module.sinks is not None:
             init.constant_(module.sinks, SINK_OFF)
+        if isinstance(module, EntryReader):
+            init.zeros_(module.q_rope_coef)
 
 
 class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
@@ -140,6 +83,11 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = build_attention(layer.self_attn, base_config, config, i, config.attention_layers[i])
+        # CSA2 layers read entries that earlier layers computed in the same forward.
+        peers = [layer.self_attn for layer in self.model.layers]
+        for attn in peers:
+            if isinstance(attn, Csa2WindowAttention):
+                attn.peers = peers
         # One config object at run time, so attn_implementation switches reach every module.
         for module in self.modules():
             if module is not self and isinstance(getattr(module, "config", None), type(base_config)):
@@ -199,4 +147,4 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["Csa2Attention", "Csa2AttentionBase", "Csa2ForCausalLM", "Csa2LatentAttention", "Csa2PreTrainedModel", "SINK_OFF"]
+__all__ = ["Csa2Attention", "Csa2AttentionBase", "Csa2ForCausalLM", "Csa2FullAttention", "Csa2LatentAttention", "Csa2WindowAttention", "Csa2PreTrainedModel", "SINK_OFF"]

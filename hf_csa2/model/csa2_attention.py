@@ -1,0 +1,243 @@
+"""CSA2 shared-KV sparse attention layers (seed 000; DeepSeek-V4.1 "CSA2" style).
+
+Per layer a mode (``spec["mode"]``):
+
+* ``full``    -- an MLA layer (:class:`Csa2LatentAttention`) whose latent entries ``c_j`` (and
+  rope keys) plus one index key per token are cached once for the whole model. Its own
+  indexer picks Top-K entries among positions older than its window; it reads Top-K + its
+  last ``window`` entries in one softmax (absorbed form: scores and read-out in latent space).
+* ``reindex`` -- reads a full layer's entries with its own Top-K: its own index queries scored
+  against that layer's cached index keys.
+* ``reuse``   -- reads a full layer's entries at the Top-K addresses its source (full or
+  reindex) picked; only its queries are its own.
+* ``swa``     -- only its own window.
+
+Every non-full layer keeps its OWN exact keys/values of the last ``window`` tokens (a sliding
+cache layer): the only non-frozen part of what a Reuse layer reads (seed 000 §5.7). Reindex/
+Reuse layers read the shared entries through an :class:`EntryReader`: per KV head a map from
+the source's latent to keys/values in this layer's own head space, absorbed into the query and
+the read-out, and complex coefficients for the source's rope-key slots. One softmax spans the
+Top-K entries and the window, with per-head sinks.
+
+Cache: full layers use transformers' ``DynamicIndexedLayer`` (keys = latent ``[B, 1, S, r]``,
+values = rope part, ``indexer_keys`` ``[B, S, d_I]``); the others ``DynamicSlidingWindowLayer``
+(their own ``[B, H, W-1, D]`` keys/values). A cache built without knowledge of these layers
+(``DynamicCache()`` or ``DynamicCache(config=...)``) gets the right layer objects on first use.
+Layers find the entries of earlier layers through ``peers`` (the model's attention modules),
+filled during the same forward (``scratch``). Inputs must be unpadded (no left padding).
+
+Self-contained (torch + transformers only): copied next to converted weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
+
+from .attention_base import rotate_half
+from .dense_attention import Csa2Attention
+from .indexer import Indexer
+from .latent_attention import Csa2LatentAttention
+from .sparse_attention import SparseSegment, sparse_sink_attention, window_index
+
+
+def cache_layer(cache, layer_idx: int, layer_type: type, **kwargs):
+    """The cache layer of ``layer_idx``, replaced by a fresh ``layer_type(**kwargs)`` when the
+    cache was built without knowing this layer's needs (it must still be empty then)."""
+    layers = cache.layers
+    while len(layers) <= layer_idx:
+        layers.append(DynamicLayer())
+    layer = layers[layer_idx]
+    fits = type(layer) is layer_type and all(getattr(layer, k, None) == v for k, v in kwargs.items())
+    if not fits:
+        if getattr(layer, "is_initialized", False) and layer.get_seq_length() > 0:
+            raise ValueError(
+                f"cache layer {layer_idx} is a {type(layer).__name__} holding tokens; a CSA2 layer needs "
+                f"{layer_type.__name__}{kwargs or ''} (use a DynamicCache)"
+            )
+        if not isinstance(layer, DynamicLayer):
+            raise ValueError(
+                f"CSA2 layers need a dynamic cache (DynamicCache); cache layer {layer_idx} is {type(layer).__name__}"
+            )
+        layer = layers[layer_idx] = layer_type(**kwargs)
+    return layer
+
+
+def _reject_softcap(module: nn.Module, spec: dict) -> None:
+    if getattr(module, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"kind=csa2 mode={spec['mode']!r}: attention logit soft-capping is not supported by the sparse read")
+
+
+class Csa2FullAttention(Csa2LatentAttention):
+    """``full`` CSA2 layer: MLA entries + index keys cached once; reads Top-K + window."""
+
+    def __init__(self, source: nn.Module, config, layer_idx: int, spec: dict):
+        _reject_softcap(source, spec)
+        super().__init__(source, config, layer_idx, spec)
+        self.window, self.top_k = spec["window"], spec["top_k"]
+        self.indexer = Indexer(
+            source.q_proj.in_features, spec["index_heads"], spec["index_head_dim"], spec["index_rope_pairs"],
+            rotary_dim=self.head_dim, with_key=True, dtype=source.q_proj.weight.dtype,
+        )
+        self.scratch: dict = {}
+
+    @property
+    def cache_width(self) -> int:
+        return super().cache_width + self.indexer.head_dim
+
+    def attention_output(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
+        built from positions (causal, unpadded)."""
+        b, t, _ = hidden_states.shape
+        latent, rope_part = self.compress(hidden_states, position_embeddings)  # [B, 1, T, r], [B, 1, T, X]
+        index_keys = self.indexer.keys(hidden_states, position_embeddings)  # [B, T, d_I]
+        if cache is not None:
+            layer = cache_layer(cache, self.layer_idx, DynamicIndexedLayer)
+            latent, rope_part = cache.update(latent, rope_part, self.layer_idx)
+            index_keys = layer.update_indexer(index_keys)
+        s = latent.shape[2]
+        positions = torch.arange(s - t, s, device=hidden_states.device)  # [T]
+        iq, iw = self.indexer.queries(hidden_states, position_embeddings)
+        top = self.indexer.select(iq, iw, index_keys, positions, self.top_k, self.window)  # [B, T, K]
+        index = torch.cat([top, window_index(positions, self.window).expand(b, -1, -1)], dim=-1)
+
+        q_nope, q_rope = self.queries(hidden_states, position_embeddings)
+        k_rope, k_scale = self._split_cached(rope_part)
+        q, k, latent1, v_up = self.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
+        if self.num_rope_heads == 1 and k_scale is None:
+            k = k[:, :1]  # every KV head reads the same entries: keep one group
+        segment = SparseSegment(q.transpose(1, 2), k.transpose(1, 2), latent1.transpose(1, 2), index)
+        (out_lat,), _ = sparse_sink_attention([segment], scaling=self.scaling, sinks=self.sinks)
+        out = torch.einsum("bthr,hdr->bthd", out_lat, v_up[self.kv_of_query])  # [B, T, HQ, D]
+        self.scratch = {
+            "latent": latent, "rope": rope_part, "index_keys": index_keys, "top_k": top,
+            "position_embeddings": position_embeddings,
+        }
+        return out.reshape(b, t, -1).contiguous(), None
+
+
+class EntryReader(nn.Module):
+    """How a reindex/reuse layer reads a full layer's entries in its own head space.
+
+    Parameters: ``kv_b_proj`` [H * 2D, r_s] (+bias): per own KV head, the key (all ``D`` dims,
+    position-free) and value it reads from a source latent; ``q_rope_coef`` [H, m, 2]: complex
+    coefficient with which each own KV group reads each of the source's ``m`` rope slots (all
+    rope heads' slots, flattened), at that slot's frequency.
+    """
+
+    def __init__(self, source_spec: dict, num_key_value_heads: int, head_dim: int, dtype=None):
+        super().__init__()
+        self.kv_lora_rank = source_spec["kv_lora_rank"]
+        self.num_key_value_heads, self.head_dim = num_key_value_heads, head_dim
+        self.slot_pairs = [i for pairs in source_spec["rope_pairs"] for i in sorted(pairs)]  # frequency of each slot
+        self.num_rope_heads = len(source_spec["rope_pairs"])
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, num_key_value_heads * 2 * head_dim, bias=True, dtype=dtype)
+        self.q_rope_coef = nn.Parameter(torch.zeros(num_key_value_heads, len(self.slot_pairs), 2, dtype=dtype))
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key map [H, D, r_s+1], value map [H, D, r_s+1]); the bias is the last latent column."""
+        h, d, r = self.num_key_value_heads, self.head_dim, self.kv_lora_rank
+        w = torch.cat([self.kv_b_proj.weight.view(h, 2 * d, r), self.kv_b_proj.bias.view(h, 2 * d, 1)], dim=-1)
+        return w[:, :d], w[:, d:]
+
+    def rope_slots(self, rope_part: torch.Tensor) -> torch.Tensor:
+        """The source's cached rope part [B, 1, S, X] -> its rope slots [B, S, 2m] ([re..., im...])."""
+        b, _, s, _ = rope_part.shape
+        n = len(self.slot_pairs) // self.num_rope_heads
+        slots = rope_part[:, 0, :, : 2 * len(self.slot_pairs)].reshape(b, s, self.num_rope_heads, 2, n)
+        return slots.transpose(2, 3).reshape(b, s, 2 * len(self.slot_pairs))
+
+    def segment(self, q_plain: torch.Tensor, kv_of_query: torch.Tensor, scratch: dict, index: torch.Tensor):
+        """Read operands for the source entries.
+
+        q_plain [B, HQ, T, D] (own queries after QK-norm, before RoPE); scratch: the full
+        layer's ``latent``/``rope``/``position_embeddings`` of this forward; index [B, T, N].
+        Returns (segment, value map per query head [HQ, D, r_s+1]).
+        """
+        latent, rope_part = scratch["latent"], scratch["rope"]
+        b, _, s, _ = latent.shape
+        k_up, v_up = self.up_weights()
+        q_lat = torch.einsum("bhtd,hdr->bthr", q_plain, k_up[kv_of_query])  # [B, T, HQ, r+1]
+        half = self.head_dim // 2
+        pairs = torch.tensor(self.slot_pairs, device=q_plain.device)
+        re, im = q_plain[..., pairs], q_plain[..., pairs + half]  # [B, HQ, T, m]
+        coef = self.q_rope_coef[kv_of_query][None, :, None]  # [1, HQ, 1, m, 2]
+        a, c = coef[..., 0], coef[..., 1]
+        q_rope = torch.cat([a * re - c * im, a * im + c * re], dim=-1)  # [B, HQ, T, 2m]
+        cos, sin = scratch["position_embeddings"]  # the source's rotary table (Gemma3: per layer type)
+        dims = torch.cat([pairs, pairs + half])
+        t = q_plain.shape[2]
+        cos, sin = cos[:, -t:, dims][:, None], sin[:, -t:, dims][:, None]
+        q_rope = (q_rope * cos + rotate_half(q_rope) * sin).transpose(1, 2)  # [B, T, HQ, 2m]
+        latent1 = torch.cat([latent[:, 0], latent.new_ones(b, s, 1)], dim=-1)  # [B, S, r+1]
+        keys = torch.cat([latent1, self.rope_slots(rope_part)], dim=-1)[:, :, None]  # [B, S, 1, r+1+2m]
+        segment = SparseSegment(torch.cat([q_lat, q_rope], dim=-1), keys, latent1[:, :, None], index)
+        return segment, v_up[kv_of_query]
+
+
+class Csa2WindowAttention(Csa2Attention):
+    """``swa`` / ``reindex`` / ``reuse`` CSA2 layer: own exact keys/values of the last
+    ``window`` tokens, plus (reindex/reuse) a full layer's entries at Top-K addresses."""
+
+    def __init__(self, source: nn.Module, config, layer_idx: int, spec: dict, entries_spec: dict | None = None):
+        _reject_softcap(source, spec)
+        super().__init__(source, config, layer_idx, spec)
+        self.mode, self.window = spec["mode"], spec["window"]
+        dtype = source.q_proj.weight.dtype
+        self.reader = None if self.mode == "swa" else EntryReader(entries_spec, self.num_key_value_heads, self.head_dim, dtype)
+        self.indexer = None
+        if self.mode == "reindex":
+            self.top_k = spec["top_k"]
+            self.indexer = Indexer(
+                source.q_proj.in_features, spec["index_heads"], spec["index_head_dim"], spec["index_rope_pairs"],
+                rotary_dim=self.head_dim, with_key=False, dtype=dtype,
+            )
+        self.peers: list[nn.Module] = []  # the model's attention modules, set by the model
+        self.scratch: dict = {}
+
+    def _top_k(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Top-K addresses [B, T, K] of this layer (reindex: own selection; reuse: its source's,
+        minus what falls inside this layer's window)."""
+        if self.mode == "reindex":
+            full = self.peers[self.spec["entries"]].scratch
+            iq, iw = self.indexer.queries(hidden_states, full["position_embeddings"])
+            return self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window)
+        top = self.peers[self.spec["source"]].scratch["top_k"]
+        inside = top > positions[None, :, None] - self.window
+        return top.masked_fill(inside, -1)
+
+    def attention_output(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
+        built from positions (causal, unpadded)."""
+        b, t, _ = hidden_states.shape
+        q_plain, k, v = self.project_plain(hidden_states)  # [B, HQ, T, D], [B, H, T, D]
+        cos, sin = position_embeddings
+        q = q_plain * cos[:, None] + rotate_half(q_plain) * sin[:, None]
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        total = t
+        if cache is not None:
+            layer = cache_layer(cache, self.layer_idx, DynamicSlidingWindowLayer, sliding_window=self.window)
+            k, v = cache.update(k, v, self.layer_idx)
+            total = layer.get_seq_length()
+        positions = torch.arange(total - t, total, device=hidden_states.device)
+        own = window_index(positions, self.window, first_position=total - k.shape[2]).expand(b, -1, -1)
+        segments = [SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), own)]
+        v_up = None
+        if self.reader is not None:
+            top = self._top_k(hidden_states, positions)
+            entries, v_up = self.reader.segment(q_plain, self.kv_of_query, self.peers[self.spec["entries"]].scratch, top)
+            segments.append(entries)
+            self.scratch = {"top_k": top}
+        outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks)
+        out = outs[0]
+        if v_up is not None:
+            out = out + torch.einsum("bthr,hdr->bthd", outs[1], v_up)
+        return out.reshape(b, t, -1).contiguous(), None
+
+    @property
+    def kv_of_query(self) -> torch.Tensor:
+        return torch.arange(self.num_heads, device=self.q_proj.weight.device) // self.num_key_value_groups
+
+
+__all__ = ["Csa2FullAttention", "Csa2WindowAttention", "EntryReader", "cache_layer"]

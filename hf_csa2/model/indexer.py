@@ -1,0 +1,100 @@
+"""Lightning indexer (DeepSeek-V3.2 DSA / V4.1 style): picks each query's Top-K entries.
+
+    score(t, j) = sum_h w_h(x_t) * ReLU(q^I_h(x_t) . k^I_j)
+
+One index key ``k^I_j`` per token (shared by the index heads, cached by the layer that owns
+the entries), ``n_I`` index heads with queries ``q^I_h`` and weights ``w_h`` computed from the
+reading layer's input. RoPE may act on some index dims: ``rope_pairs`` lists frequency pairs
+of the model's rotary table; the first ``2 * len(rope_pairs)`` dims of every index head carry
+them (half-split layout), the rest are position-free.
+
+Selection is causal and leaves out the reader's own window: query ``t`` picks among
+positions ``j <= t - window`` (the window ``t - window + 1 .. t`` is read anyway), so the
+union Top-K + window never holds a position twice. Missing picks (short prefixes) are -1.
+Ties go to the earlier position.
+
+Self-contained (torch only): copied next to converted weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention_base import rotate_half
+
+
+class Indexer(nn.Module):
+    """Index queries/weights of one layer, and the index keys when the layer owns entries.
+
+    Parameters: ``wq`` [n_I * d_I, hidden], ``weights_proj`` [n_I, hidden] and, with
+    ``with_key``, ``wk`` [d_I, hidden].
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, rope_pairs: list[int], rotary_dim: int,
+                 with_key: bool, dtype=None):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.rope_pairs = sorted(int(i) for i in rope_pairs)
+        self.rotary_dim = rotary_dim  # width D of the model's cos/sin tables
+        self.wq = nn.Linear(hidden_size, num_heads * head_dim, bias=False, dtype=dtype)
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=dtype)
+        self.wk = nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype) if with_key else None
+
+    def _rotate(self, x: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """x [B, T, G, d_I] with RoPE applied to its first 2n dims at ``rope_pairs``."""
+        if not self.rope_pairs:
+            return x
+        half = self.rotary_dim // 2
+        dims = self.rope_pairs + [i + half for i in self.rope_pairs]
+        cos, sin = position_embeddings
+        cos, sin = cos[..., dims][:, :, None], sin[..., dims][:, :, None]  # [B, T, 1, 2n]
+        n2 = len(dims)
+        rot, rest = x[..., :n2], x[..., n2:]
+        return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+    def keys(self, hidden_states: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """hidden_states [B, T, hidden] -> index keys [B, T, d_I]."""
+        k = self.wk(hidden_states)[:, :, None]
+        return self._rotate(k, position_embeddings)[:, :, 0]
+
+    def queries(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states [B, T, hidden] -> (index queries [B, T, n_I, d_I], head weights [B, T, n_I])."""
+        b, t, _ = hidden_states.shape
+        q = self.wq(hidden_states).view(b, t, self.num_heads, self.head_dim)
+        return self._rotate(q, position_embeddings), self.weights_proj(hidden_states)
+
+    def scores(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Index scores [B, T, S] of queries [B, T, n_I, d_I] (weights [B, T, n_I]) against keys [B, S, d_I]."""
+        dots = torch.einsum("btnd,bsd->btns", queries.float(), keys.float()).relu_()
+        return torch.einsum("btns,btn->bts", dots, weights.float())
+
+    def select(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               query_positions: torch.Tensor, top_k: int, window: int, chunk: int = 256) -> torch.Tensor:
+        """Top-K positions [B, T, K] (-1 = none) among ``j <= t - window`` for each query.
+
+        queries [B, T, n_I, d_I] at absolute positions query_positions [T]; keys [B, S, d_I]
+        at positions 0..S-1. Processed in chunks of queries so memory stays O(chunk * S).
+        """
+        b, t = queries.shape[:2]
+        s = keys.shape[1]
+        k = min(top_k, s)
+        out = []
+        for start in range(0, t, chunk):
+            stop = min(start + chunk, t)
+            sc = self.scores(queries[:, start:stop], weights[:, start:stop], keys)  # [B, c, S]
+            last = query_positions[start:stop, None] - window  # newest selectable position
+            allowed = torch.arange(s, device=keys.device)[None, :] <= last  # [c, S]
+            sc = sc.masked_fill(~allowed[None], float("-inf"))
+            # A stable sort, not topk: ties (ReLU zeros are common) must break the same way
+            # whatever S is, or a prefill and a chunked prefill would read different entries.
+            val, idx = sc.sort(dim=-1, descending=True, stable=True)
+            val, idx = val[..., :k], idx[..., :k]  # [B, c, k]
+            out.append(torch.where(torch.isfinite(val), idx, torch.full_like(idx, -1)))
+        idx = torch.cat(out, dim=1)
+        if k < top_k:  # fewer entries than K so far: pad
+            idx = torch.cat([idx, idx.new_full((b, t, top_k - k), -1)], dim=-1)
+        return idx
+
+
+__all__ = ["Indexer"]

@@ -1,0 +1,123 @@
+"""Reference sparse attention with sink logits: each query reads only the entries its index
+lists name (Top-K addresses plus a local window), in ONE softmax.
+
+A read may combine several *segments*, each with its own query projection, key/value store
+and index list -- e.g. a CSA2 Reuse layer reads its source layer's latent entries (through
+its own absorbed query) and its own sliding window of exact keys/values (through its plain
+query). All segments share one softmax (and the sink): the weights over the union of the
+selected entries sum to ``1 - a_sink``.
+
+Memory and time are O(T * N * D) per head for N selected entries per query: the selected
+keys/values are gathered, no T x S score matrix or mask is ever formed. fp32 softmax at
+least; plain torch ops, so autograd works (gradients flow to queries, keys, values, sinks).
+
+Shapes (one segment):
+    query  [B, T, H, Dk]       H query heads
+    keys   [B, S, G, Dk]       G key groups, G divides H (head h reads group h // (H / G));
+                               G = 1 for entries shared by every head (a latent)
+    values [B, S, G', Dv]      G' divides H
+    index  [B, T, N] long      positions in [0, S) to read; -1 = no entry (padding)
+Result per segment: [B, T, H, Dv]. Rows with no entry at all (and no sink) read zeros.
+
+Self-contained (torch only): copied next to converted weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SparseSegment:
+    """One key/value store read through one query and one index list (shapes above)."""
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    index: torch.Tensor
+
+
+def gather_entries(store: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """store [B, S, G, D], index [B, T, N] (-1 allowed) -> [B, T, N, G, D] (padding reads entry 0)."""
+    b, t, n = index.shape
+    _, s, g, d = store.shape
+    flat = index.clamp(min=0).reshape(b, t * n, 1, 1).expand(b, t * n, g, d)
+    return store.gather(1, flat).view(b, t, n, g, d)
+
+
+def grouped_read(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """weights [B, T, H, N], gathered values [B, T, N, G, Dv] -> [B, T, H, Dv]."""
+    b, t, h, n = weights.shape
+    g = values.shape[3]
+    w = weights.view(b, t, g, h // g, n)
+    return torch.einsum("btgrn,btngd->btgrd", w, values.to(weights.dtype)).reshape(b, t, h, -1)
+
+
+def segment_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
+    """Scaled logits [B, T, H, N] of one segment, -inf where the index is -1."""
+    q = segment.query
+    b, t, h, d = q.shape
+    keys = gather_entries(segment.keys, segment.index)  # [B, T, N, G, Dk]
+    g = keys.shape[3]
+    logits = torch.einsum("btgrd,btngd->btgrn", q.view(b, t, g, h // g, d), keys).reshape(b, t, h, -1)
+    return (logits * scaling).masked_fill(segment.index[:, :, None, :] < 0, float("-inf"))
+
+
+def sparse_sink_attention(
+    segments: list[SparseSegment],
+    *,
+    scaling: float,
+    sinks: torch.Tensor | None = None,
+    return_weights: bool = False,
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Softmax over the union of every segment's selected entries (plus the sink).
+
+    Args:
+        segments: the key/value stores to read (see the module docstring for shapes).
+        scaling: logit scale applied to every ``q . k``.
+        sinks: per-head sink logits [H] (seed 004 §1: ``exp(s_h)`` joins the denominator,
+            nothing joins the numerator), or None.
+        return_weights: also return the weights [B, T, H, sum N] (real entries only, in
+            segment order; rows sum to ``1 - a_sink``).
+
+    Returns:
+        (one output [B, T, H, Dv] per segment, weights or None). The layer's read-out is the
+        sum of the segment outputs after each is mapped to a common space.
+    """
+    query = segments[0].query
+    compute = torch.promote_types(query.dtype, torch.float32)
+    logits = [segment_logits(s, scaling).to(compute) for s in segments]
+    sizes = [z.shape[-1] for z in logits]
+    z = torch.cat(logits, dim=-1)  # [B, T, H, N_total]
+    if sinks is not None:
+        sink = sinks.to(compute).view(1, 1, -1, 1).expand(*z.shape[:3], 1)
+        z = torch.cat([z, sink], dim=-1)
+    # Stable softmax that leaves all-masked rows at zero instead of NaN.
+    peak = z.amax(dim=-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak)).detach()
+    e = torch.exp(z - peak)
+    denom = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(denom > 0, denom, torch.ones_like(denom))
+    if sinks is not None:
+        p = p[..., :-1]
+    outputs = []
+    for segment, w in zip(segments, p.split(sizes, dim=-1)):
+        values = gather_entries(segment.values, segment.index)  # [B, T, N, G', Dv]
+        outputs.append(grouped_read(w, values).to(query.dtype))
+    return outputs, (p.to(query.dtype) if return_weights else None)
+
+
+def window_index(query_positions: torch.Tensor, window: int, first_position: int = 0) -> torch.Tensor:
+    """Store rows of each query's own window: positions ``p - window + 1 .. p``.
+
+    query_positions [T] (absolute); the store's row 0 holds absolute position
+    ``first_position``. Returns [T, window] (ascending; -1 before the start of the store).
+    """
+    offsets = torch.arange(-window + 1, 1, device=query_positions.device)
+    pos = query_positions[:, None] + offsets[None, :]
+    return torch.where(pos >= first_position, pos - first_position, torch.full_like(pos, -1))
+
+
+__all__ = ["SparseSegment", "gather_entries", "grouped_read", "segment_logits", "sparse_sink_attention", "window_index"]

@@ -1,0 +1,233 @@
+"""CSA2 layers (full / reindex / reuse / swa) on tiny configs of every supported architecture:
+exactness when everything is selected, prefill == chunked prefill == token-by-token decode,
+beam search, shared cache layout and size, plan validation, reload with remote code."""
+
+import pytest
+import torch
+from remote_code import assert_reloads_without_hf_csa2
+from tiny_models import ARCHS, VOCAB, tiny_model
+
+from hf_csa2.evals.kv_cache import (
+    config_kv_elements_at_context,
+    config_kv_elements_per_token,
+    live_cache_elements,
+    measure_kv_elements_per_token,
+)
+from hf_csa2.model import Csa2Config, Csa2FullAttention, Csa2WindowAttention
+from hf_csa2.model.indexer import Indexer
+from hf_csa2.surgery.csa2 import assemble_csa2, csa2_layer_specs, dense_layer_specs
+from hf_csa2.surgery.mla import apply_mla
+
+QK_NORM = ("qwen3", "gemma3_text")
+SLIDING = ("mistral", "gemma3_text")  # tiny sliding window 7
+MIXED_PLAN = (["full", "reindex", "reuse", "swa", "reuse"], [None, 0, 1, None, 0])
+
+
+def ids(batch=2, length=13, seed=0):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def calib(seed=1):
+    return torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(seed))
+
+
+def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0):
+    """Tiny source -> MLA (1/2-ish rank, 2 rope pairs) -> CSA2 with the given plan; indexers,
+    readers and sinks randomised so that every term of every read is exercised."""
+    src = tiny_model(arch, num_layers=len(modes))
+    mla = apply_mla(src, 6, 2, windows=calib(), shared_rope_key=arch not in QK_NORM)
+    specs = csa2_layer_specs(
+        mla.config.attention_layers, dense_layer_specs(src), modes, sources,
+        window=window, top_k=top_k, index_heads=2, index_head_dim=8, index_rope_pairs=[0, 1], sinks=sinks,
+    )
+    model = assemble_csa2(src, mla, specs)
+    model.config._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "sinks" in name or ".indexer." in name or ".reader." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "sinks" not in name else 1.0))
+    return model.eval(), mla, src
+
+
+# -- exactness -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_layers_selecting_everything_equal_the_dense_latent_layers(arch):
+    """K >= T: every earlier position is in Top-K or the window, so a full layer is its MLA layer."""
+    length = 7 if arch in SLIDING else 13  # the MLA layers keep the source's sliding window (7)
+    model, mla, _ = csa2_model(arch, ["full"] * 2, [None] * 2, top_k=length, sinks=False)
+    x = ids(length=length)
+    with torch.no_grad():
+        for path in ("explicit", "absorbed"):
+            mla.config.mla_attention_path = path
+            assert (model(x).logits - mla(x).logits).abs().max() <= 1e-4
+    assert all(isinstance(l.self_attn, Csa2FullAttention) for l in model.model.layers)
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_swa_layer_with_the_source_window_equals_the_source(arch):
+    src = tiny_model(arch)
+    specs = csa2_layer_specs(dense_layer_specs(src), dense_layer_specs(src), ["swa", "swa"], [None, None],
+                             window=7, top_k=1, index_heads=1, index_head_dim=2)
+    if arch == "gemma3_text":  # layer 1 is a global layer there: keep it global-equivalent
+        specs[1]["window"] = 64
+    model = assemble_csa2(src, src, specs).eval()
+    x = ids(length=20)
+    with torch.no_grad():
+        assert (model(x).logits - src(x).logits).abs().max() <= 1e-4
+
+
+# -- cache consistency ---------------------------------------------------------------------
+
+
+def incremental_logits(model, x, chunks):
+    out, cache, pos = [], None, 0
+    for size in chunks:
+        res = model(x[:, pos : pos + size], cache=cache, use_cache=True)
+        cache = res.cache
+        out.append(res.logits)
+        pos += size
+    assert pos == x.shape[1]
+    return torch.cat(out, dim=1), cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_chunked_prefill_and_decode_agree_for_every_mode(arch):
+    model, _, _ = csa2_model(arch, *MIXED_PLAN)
+    x = ids(length=17)
+    with torch.no_grad():
+        full = model(x).logits
+        for chunks in ([17], [5, 1, 6, 5], [1] * 17, [9, 8]):
+            got, cache = incremental_logits(model, x, chunks)
+            assert (got - full).abs().max() <= 1e-4, chunks
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == ["DynamicIndexedLayer"] + ["DynamicSlidingWindowLayer"] * 4
+
+
+def test_beam_search_and_greedy_generation_are_consistent_with_the_forward():
+    model, _, _ = csa2_model("llama", *MIXED_PLAN)
+    x = ids(batch=1, length=9)
+    with torch.no_grad():
+        gen = model.generate(x, max_new_tokens=8, do_sample=False)
+        # greedy = argmax of a plain forward over the generated prefix, step by step
+        for t in range(x.shape[1], gen.shape[1]):
+            assert model(gen[:, :t]).logits[0, -1].argmax() == gen[0, t]
+        beams = model.generate(x, max_new_tokens=6, num_beams=3, do_sample=False, num_return_sequences=3,
+                               output_scores=True, return_dict_in_generate=True)
+        # each returned beam's score equals its length-normalised log-prob under a plain forward
+        for seq, score in zip(beams.sequences, beams.sequences_scores):
+            new = seq[x.shape[1]:]
+            eos = (new == model.config.eos_token_id).nonzero()
+            new = new[: int(eos[0]) + 1] if len(eos) else new  # a finished beam ends at its EOS
+            logp = torch.log_softmax(model(seq[None, : x.shape[1] + len(new) - 1]).logits[0].float(), -1)
+            total = logp[x.shape[1] - 1:].gather(1, new[:, None]).sum()
+            assert torch.allclose(total / len(new), score, atol=1e-4)
+
+
+def test_top_k_smaller_than_history_really_drops_entries():
+    """With K < history the read differs from reading everything (the index matters), and
+    moving an unselected old entry's token changes nothing in a reuse layer's read-out."""
+    everything, _, _ = csa2_model("llama", *MIXED_PLAN, top_k=32)
+    sparse, _, _ = csa2_model("llama", *MIXED_PLAN, top_k=2)
+    x = ids(length=24)
+    with torch.no_grad():
+        assert (everything(x).logits - sparse(x).logits).abs().max() > 1e-3
+
+
+# -- cache size ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_live_cache_holds_shared_entries_once_and_window_rings(arch):
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, window=3)
+    specs = model.config.attention_layers
+    per_token = config_kv_elements_per_token(model.config)
+    # short prefill: every layer still holds every token
+    assert measure_kv_elements_per_token(model) == per_token
+    for n in (2, 9, 20):
+        with torch.no_grad():
+            cache = model(ids(batch=1, length=n), use_cache=True).cache
+        assert live_cache_elements(cache) == config_kv_elements_at_context(model.config, n)
+    full = specs[0]
+    rope = 2 * sum(len(p) for p in full["rope_pairs"])
+    scales = full["num_key_value_heads"] if arch in QK_NORM else 0
+    entry = full["kv_lora_rank"] + rope + scales + full["index_head_dim"]
+    window_ring = 4 * 2 * 2 * 12 * (3 - 1)  # 4 window layers x (K+V) x 2 KV heads x D=12 x (W-1) tokens
+    assert config_kv_elements_at_context(model.config, 20) == 20 * entry + window_ring
+
+
+# -- indexer ---------------------------------------------------------------------------------
+
+
+def test_indexer_selects_the_top_scoring_older_positions():
+    torch.manual_seed(0)
+    idx = Indexer(16, num_heads=3, head_dim=4, rope_pairs=[], rotary_dim=8, with_key=True)
+    h = torch.randn(2, 10, 16)
+    keys = idx.keys(h, None)
+    q, w = idx.queries(h, None)
+    positions = torch.arange(10)
+    top = idx.select(q, w, keys, positions, top_k=3, window=2, chunk=4)
+    scores = idx.scores(q, w, keys)
+    for b in range(2):
+        for t in range(10):
+            allowed = list(range(0, t - 2 + 1))
+            want = sorted(allowed, key=lambda j: -scores[b, t, j].item())[:3]
+            got = [j for j in top[b, t].tolist() if j >= 0]
+            assert sorted(got) == sorted(want)
+            assert len(got) == min(3, len(allowed))
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def base_specs():
+    full = {"kind": "csa2", "mode": "full", "num_key_value_heads": 2, "kv_lora_rank": 6, "rope_pairs": [[0, 1]],
+            "window": 4, "top_k": 8, "index_heads": 2, "index_head_dim": 8}
+    return [full, {"kind": "csa2", "mode": "reuse", "num_key_value_heads": 2, "source": 0, "window": 4}]
+
+
+def make_config(specs):
+    cfg = tiny_model("llama").config
+    return Csa2Config.from_base_config(cfg, specs)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s[1].update(source=1), "needs an earlier csa2 layer"),
+        (lambda s: s[1].update(mode="reindex", top_k=4, index_heads=1, source=0, index_head_dim=4), "must equal layer 0"),
+        (lambda s: s[1].update(window=2), "allowed: window >= 4"),
+        (lambda s: s[0].update(top_k=0), "top_k=0 must be an integer >= 1"),
+        (lambda s: s[0].update(window=0), "window=0 must be an integer >= 1"),
+        (lambda s: s[1].update(mode="copy"), "allowed: swa, full, reindex, reuse"),
+        (lambda s: s.__setitem__(0, {**s[0], "mode": "swa"}), "unknown keys"),
+        (lambda s: s[0].update(index_rope_pairs=[0, 1, 2, 3, 4]), "index_rope_pairs"),
+    ],
+)
+def test_plan_validation_names_the_problem(edit, message):
+    specs = base_specs()
+    edit(specs)
+    with pytest.raises(ValueError, match=message):
+        make_config(specs)
+
+
+def test_reuse_of_a_reindex_layer_reads_the_full_layers_entries():
+    specs = base_specs()
+    specs.insert(1, {"kind": "csa2", "mode": "reindex", "num_key_value_heads": 2, "source": 0, "window": 4,
+                     "top_k": 4, "index_heads": 1})
+    specs[2]["source"] = 1
+    cfg = Csa2Config.from_base_config(tiny_model("llama", num_layers=3).config, specs)
+    assert cfg.attention_layers[2]["entries"] == 0 and cfg.attention_layers[1]["index_head_dim"] == 8
+
+
+# -- reload ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_reloads_without_hf_csa2(arch, tmp_path):
+    model, _, _ = csa2_model(arch, *MIXED_PLAN)
+    with torch.no_grad():
+        assert_reloads_without_hf_csa2(model, ids(batch=1, length=11), tmp_path)
+    assert any(isinstance(l.self_attn, Csa2WindowAttention) for l in model.model.layers)
