@@ -27,7 +27,8 @@ from .attention_base import rotate_half
 class Indexer(nn.Module):
     """Index queries/weights of one layer, and the index keys when the layer owns entries.
 
-    Parameters: ``wq`` [n_I * d_I, hidden], ``weights_proj`` [n_I, hidden] and, with
+    Parameters: ``wq`` [n_I * d_I, hidden], ``weights_proj`` [n_I, hidden] (+bias: a constant
+    head weight is the training-free init) and, with
     ``with_key``, ``wk`` [d_I, hidden].
     """
 
@@ -38,7 +39,7 @@ class Indexer(nn.Module):
         self.rope_pairs = sorted(int(i) for i in rope_pairs)
         self.rotary_dim = rotary_dim  # width D of the model's cos/sin tables
         self.wq = nn.Linear(hidden_size, num_heads * head_dim, bias=False, dtype=dtype)
-        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=dtype)
+        self.weights_proj = nn.Linear(hidden_size, num_heads, bias=True, dtype=dtype)
         self.wk = nn.Linear(hidden_size, head_dim, bias=False, dtype=dtype) if with_key else None
 
     def _rotate(self, x: torch.Tensor, position_embeddings) -> torch.Tensor:

@@ -8,7 +8,11 @@ at their init. Calibrated initialisation of readers and indexers builds on this 
 
 from __future__ import annotations
 
+import torch
+
 from ..model import Csa2ForCausalLM
+from ..model.attention_base import rotate_half
+from ..model.csa2_attention import Csa2WindowAttention
 from ..model.configuration_hf_csa2 import CSA2_MODES
 from .rebuild import is_csa2, native_specs, to_csa2
 
@@ -74,4 +78,190 @@ def dense_layer_specs(model) -> list[dict]:
     return [dict(s) for s in model.config.attention_layers] if is_csa2(model) else native_specs(model.config)
 
 
-__all__ = ["assemble_csa2", "csa2_layer_specs", "dense_layer_specs"]
+
+
+
+# -- calibrated initialisation ---------------------------------------------------------------
+
+
+def ridge_solve(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin_W ||x W - y||^2 + lam ||W||^2 with lam = ridge * mean(diag(x^T x)); x [N, a], y [N, b] -> [a, b] (fp64)."""
+    x, y = x.double(), y.double()
+    gram = x.T @ x
+    lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
+    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), x.T @ y)
+
+
+def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo half-split RoPE: x, cos, sin [..., 2m] (x rotated by +theta) -> x rotated by -theta."""
+    return x * cos - rotate_half(x) * sin
+
+
+@torch.no_grad()
+def fit_entry_reader(attn: Csa2WindowAttention, hidden: torch.Tensor, ridge: float) -> dict[str, float]:
+    """Least-squares init of a reindex/reuse layer's :class:`EntryReader` on calibration data.
+
+    Targets are the layer's OWN keys (after QK-norm, before RoPE) and values for the same
+    tokens. First, per own KV head and per frequency carried by the source's rope slots, the
+    complex coefficients that best explain the key pair from the slots (RoPE commutes with a
+    complex scalar, so the fit holds at every position); then the position-free map from the
+    source latent ``[c, 1]`` to the rest of the key and to the value (ridge least squares).
+    Reads the full layer's latent and rope slots of the same tokens from its ``scratch``
+    (filled by the calibration forward). Returns relative squared errors of keys and values.
+    """
+    reader = attn.reader
+    full = attn.peers[attn.spec["entries"]].scratch
+    latent, rope_part = full["latent"], full["rope"]  # [N, 1, T, r], [N, 1, T, X]
+    x = torch.cat([latent[:, 0], latent.new_ones(*latent.shape[:1], latent.shape[2], 1)], dim=-1).reshape(-1, reader.kv_lora_rank + 1)
+    _, k, v = attn.project_plain(hidden)  # [N, H, T, D]
+    h, d = attn.num_key_value_heads, attn.head_dim
+    half = d // 2
+    k = k.transpose(1, 2).reshape(-1, h, d).double()  # [M, H, D]
+    v = v.transpose(1, 2).reshape(-1, h * d).double()
+    pairs = torch.tensor(reader.slot_pairs)
+    m = len(reader.slot_pairs)
+    target_k = k.clone()
+    coef = torch.zeros(h, m, 2, dtype=torch.float64)
+    if m:
+        cos, sin = full["position_embeddings"]
+        dims = torch.cat([pairs, pairs + half])
+        slots = unrotate(reader.rope_slots(rope_part), cos[..., dims], sin[..., dims]).reshape(-1, 2 * m).double()
+        y = torch.complex(slots[:, :m], slots[:, m:])  # [M, m]
+        for f in sorted(set(reader.slot_pairs)):
+            cols = (pairs == f).nonzero().flatten()
+            yf = y[:, cols]  # [M, c]
+            gram = yf.conj().T @ yf
+            gram = gram + 1e-9 * gram.diagonal().real.mean().clamp_min(1e-12) * torch.eye(len(cols), dtype=gram.dtype)
+            for g in range(h):
+                z = torch.complex(k[:, g, f], k[:, g, f + half])  # [M]
+                alpha = torch.linalg.solve(gram, yf.conj().T @ z)  # [c]
+                rest = z - yf @ alpha
+                target_k[:, g, f], target_k[:, g, f + half] = rest.real, rest.imag
+                # The reader multiplies the QUERY: Re(q conj(alpha y)) = Re((conj(alpha) q) conj(y)).
+                coef[g, cols, 0], coef[g, cols, 1] = alpha.real, -alpha.imag
+    target = torch.cat([target_k.reshape(-1, h, d), v.view(-1, h, d)], dim=-1).reshape(-1, h * 2 * d)
+    w = ridge_solve(x, target, ridge)  # [r+1, H*2D]
+    reader.kv_b_proj.weight.copy_(w[:-1].T.to(reader.kv_b_proj.weight.dtype))
+    reader.kv_b_proj.bias.copy_(w[-1].to(reader.kv_b_proj.bias.dtype))
+    reader.q_rope_coef.copy_(coef.to(reader.q_rope_coef.dtype))
+    fit = (x.double() @ w).view(-1, h, 2 * d)
+    k_err = (fit[..., :d] - target_k).pow(2).sum() / k.pow(2).sum().clamp_min(1e-30)
+    v_err = (fit[..., d:] - v.view(-1, h, d)).pow(2).sum() / v.pow(2).sum().clamp_min(1e-30)
+    return {"reader_key_rel_err": float(k_err), "reader_value_rel_err": float(v_err)}
+
+
+@torch.no_grad()
+def far_attention_mass(source_attn, hidden: torch.Tensor, position_embeddings, window: int) -> torch.Tensor:
+    """Mean attention mass per KV group [H] that a dense layer puts on positions older than ``window``."""
+    q, k = source_attn.scoring_qk(hidden, position_embeddings)  # [N, HQ, T, D], [N, H, T, D]
+    hq, h, t = q.shape[1], k.shape[1], q.shape[2]
+    k = k.repeat_interleave(hq // h, dim=1)
+    logits = (q @ k.transpose(-1, -2)).float() * source_attn.scaling
+    pos = torch.arange(t)
+    logits = logits.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    far = (pos[None, :] <= pos[:, None] - window).float()  # [T, S]
+    per_head = (p * far).sum(-1).mean(dim=(0, 2))  # [HQ]
+    return per_head.view(h, hq // h).mean(-1)
+
+
+@torch.no_grad()
+def init_indexer_from_attention(indexer, source_attn, group: int) -> None:
+    """Training-free indexer: index heads = the query heads of KV group ``group`` with their
+    own query rows, index key = that group's key rows, RoPE on every pair, constant head
+    weights equal to the attention scale. The index score is then the sum over those heads
+    of ReLU(attention logit) (QK-norm and biases left out)."""
+    hq, h, d = source_attn.num_heads, source_attn.num_key_value_heads, source_attn.head_dim
+    per = hq // h
+    if indexer.num_heads != per or indexer.head_dim != d or len(indexer.rope_pairs) != d // 2:
+        raise ValueError(f"training-free indexer init needs index_heads={per}, index_head_dim={d} and RoPE on all {d // 2} pairs")
+    qw = source_attn.q_proj.weight.view(hq, d, -1)[group * per : (group + 1) * per]
+    indexer.wq.weight.copy_(qw.reshape(per * d, -1))
+    if indexer.wk is not None:
+        indexer.wk.weight.copy_(source_attn.k_proj.weight.view(h, d, -1)[group])
+    indexer.weights_proj.weight.zero_()
+    indexer.weights_proj.bias.fill_(source_attn.scaling)
+
+
+def default_sources(modes: list[str]) -> list[int | None]:
+    """Each reindex layer reads the nearest earlier full layer; each reuse layer the nearest
+    earlier full or reindex layer (its Top-K); full/swa layers read nothing."""
+    sources: list[int | None] = []
+    for i, mode in enumerate(modes):
+        wanted = {"reindex": ("full",), "reuse": ("full", "reindex")}.get(mode)
+        if wanted is None:
+            sources.append(None)
+            continue
+        earlier = [j for j in range(i) if modes[j] in wanted]
+        if not earlier:
+            raise ValueError(f"layer {i}: mode={mode!r} needs an earlier {' or '.join(wanted)} layer; "
+                             f"the plan's first layers are {modes[: i + 1]}")
+        sources.append(earlier[-1])
+    return sources
+
+
+@torch.no_grad()
+def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
+               windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
+               sinks: bool | None = None, ridge: float = 1e-3, refit_output: bool = True, mla_options: dict | None = None):
+    """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
+
+    Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
+    ``kv_lora_rank`` / ``num_rope_pairs`` / ``mla_options``), training-free indexer copied
+    from the KV group with the most attention mass beyond the window. Reindex layers start
+    with their source's index query (they select like it until trained). Reindex/reuse
+    readers: least squares to the layer's own keys/values (:func:`fit_entry_reader`); then
+    ``o_proj`` refit to the source layer's output. All fits run layer by layer on the
+    converted model's own activations over the calibration ``windows`` [N, T].
+    The returned model carries ``fit_notes`` (one dict per layer).
+    """
+    from .calibration import decoder_layers
+    from .layerwise import calibrate_layerwise, refit_output_projection, source_attention_outputs
+    from .mla import apply_mla
+
+    dense = model if is_csa2(model) else to_csa2(model, native_specs(model.config))
+    if any(s["kind"] != "dense" for s in dense.config.attention_layers):
+        raise ValueError("CSA2 surgery needs dense attention layers as input")
+    if len(modes) != len(dense.config.attention_layers):
+        raise ValueError(f"{len(modes)} layer modes for a model with {len(dense.config.attention_layers)} layers")
+    sources = default_sources(modes) if sources is None else sources
+    full_layers = [i for i, m in enumerate(modes) if m == "full"]
+    mla = apply_mla(dense, kv_lora_rank, num_rope_pairs, windows=windows, shared_rope_key=shared_rope_key,
+                    only_layers=full_layers, **(mla_options or {}))
+    d = dense.config.head_dim if getattr(dense.config, "head_dim", None) else dense.config.hidden_size // dense.config.num_attention_heads
+    hq = dense.config.num_attention_heads
+    groups = {mla.config.attention_layers[i]["num_key_value_heads"] for i in full_layers}
+    if len(groups) > 1:
+        raise ValueError(f"full layers with different KV-head counts {sorted(groups)}: one index geometry is shared")
+    index_heads = hq // (groups.pop() if groups else 1)
+    specs = csa2_layer_specs(mla.config.attention_layers, dense.config.attention_layers, modes, sources,
+                             window=window, top_k=top_k, index_heads=index_heads, index_head_dim=d,
+                             index_rope_pairs=list(range(d // 2)), sinks=sinks)
+    new = to_csa2(mla, specs)
+    dense_layers = decoder_layers(dense)
+    targets = source_attention_outputs(dense, windows)
+
+    def fit_layer(i, attn, hidden, attn_kwargs):
+        src = dense_layers[i].self_attn
+        notes: dict = {}
+        if modes[i] == "full":
+            mass = far_attention_mass(src, hidden, attn_kwargs["position_embeddings"], window)
+            group = int(mass.argmax())
+            init_indexer_from_attention(attn.indexer, src, group)
+            notes.update(index_group=group, far_mass=[round(float(m), 4) for m in mass])
+            return notes
+        if modes[i] == "reindex":
+            source_indexer = attn.peers[attn.spec["source"]].indexer
+            attn.indexer.wq.load_state_dict(source_indexer.wq.state_dict())
+            attn.indexer.weights_proj.load_state_dict(source_indexer.weights_proj.state_dict())
+        if attn.reader is not None:
+            notes.update(fit_entry_reader(attn, hidden, ridge))
+        if refit_output:
+            notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i]))
+        return notes
+
+    new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
+    return new.eval()
+
+__all__ = ["apply_csa2", "assemble_csa2", "csa2_layer_specs", "default_sources", "dense_layer_specs", "far_attention_mass",
+           "fit_entry_reader", "init_indexer_from_attention", "ridge_solve"]

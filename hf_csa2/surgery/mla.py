@@ -582,7 +582,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
               rope_criterion: str = "perturbation", factorisation: str = "activation_aware",
               shared_rope_key: bool = False, refit_output: bool = True, ridge: float = 0.3,
               splits: list[RopeSplit] | None = None, latent_norm: bool = False, uniform_rope: bool = False,
-              averaged_values: bool = False, drop_fast_terms: bool = False, uneven_ranks: bool = False):
+              averaged_values: bool = False, drop_fast_terms: bool = False, uneven_ranks: bool = False,
+              only_layers: list[int] | None = None):
     """Return a copy of ``model`` (native or hf_csa2 with dense layers) with MLA layers.
 
     Args:
@@ -604,6 +605,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
             removal costs less (needs ``rope_criterion='perturbation'``).
         uneven_ranks: ``kv_lora_rank`` is the AVERAGE rank; each layer's comes from
             :func:`allocate_ranks` (same total cache).
+        only_layers: convert only these layers (e.g. the full layers of a CSA2 plan); the
+            others stay dense and unchanged.
     The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_splits``.
     """
     if rope_criterion not in ROPE_CRITERIA:
@@ -655,7 +658,13 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
         if windows is None:
             raise ValueError("uneven_ranks needs calibration windows")
         ranks = allocate_ranks(model, splits, windows[:4], kv_lora_rank)
-    new = to_csa2(model, mla_specs(specs, ranks, splits, latent_norm))
+    converted = set(range(len(layers)) if only_layers is None else only_layers)
+    if not converted <= set(range(len(layers))):
+        raise ValueError(f"only_layers={sorted(converted)}; allowed: layer indices 0..{len(layers) - 1}")
+    if uneven_ranks and only_layers is not None:
+        raise ValueError("uneven_ranks spreads one budget over every layer; it cannot be combined with only_layers")
+    new_specs = [m if i in converted else s for i, (s, m) in enumerate(zip(specs, mla_specs(specs, ranks, splits, latent_norm)))]
+    new = to_csa2(model, new_specs)
     new_layers = decoder_layers(new)
     new.rope_splits = splits
 
@@ -666,7 +675,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
 
     if factorisation == "weight_svd":
         for i, layer in enumerate(new_layers):
-            _set_latent(layer.self_attn, splits[i], *source_rows(i), ranks[i])
+            if i in converted:
+                _set_latent(layer.self_attn, splits[i], *source_rows(i), ranks[i])
         new.fit_notes = [{} for _ in new_layers]
         return new
     if windows is None:
@@ -674,6 +684,8 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
     targets = source_attention_outputs(model, windows)
 
     def fit_layer(i, attn, hidden, attn_kwargs):
+        if i not in converted:
+            return {}
         moment = augmented_moment(hidden)
         src = layers[i].self_attn
         gain = attn._key_gain(torch.arange(d)) if qk_norm else None

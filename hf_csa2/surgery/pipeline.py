@@ -23,6 +23,7 @@ from ..data.corpus import resolve_text
 from ..evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
 from ..evals.ppl import mean_nll, token_windows
 from ..model import SUPPORTED_BASE_MODEL_TYPES
+from .csa2 import apply_csa2
 from .gqa import apply_gqa, has_qk_norm
 from .mla import apply_mla
 from .plan import ConversionPlan, PlanError
@@ -124,7 +125,33 @@ def sinks_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -
     return new, notes
 
 
-STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("mla", mla_stage), ("sinks", sinks_stage)]
+def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
+    """Rewrite into CSA2 layers (see :mod:`.csa2`): MLA entries in the full layers, readers and
+    indexers fitted on the calibration text."""
+    c, mla = plan.csa2, plan.mla
+    modes = c.layer_modes(model.config.num_hidden_layers)
+    new = apply_csa2(
+        model, modes, window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank,
+        num_rope_pairs=mla.qk_rope_head_dim // 2, windows=calib.fit, shared_rope_key=mla.rope_key == "shared",
+        sinks=c.sinks, ridge=c.reader_ridge, refit_output=c.refit_output,
+        mla_options=dict(rope_criterion=mla.rope_criterion, factorisation=mla.init, refit_output=mla.refit_output,
+                         ridge=mla.ridge, latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
+                         averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms),
+    )
+    notes: dict = {"modes": "".join({"full": "F", "reindex": "R", "reuse": "U", "swa": "S"}[m] for m in modes),
+                   "window": c.window, "top_k": c.top_k}
+    readers = [f for f in new.fit_notes if "reader_key_rel_err" in f]
+    if readers:
+        notes["reader_key_rel_err"] = sum(f["reader_key_rel_err"] for f in readers) / len(readers)
+        notes["reader_value_rel_err"] = sum(f["reader_value_rel_err"] for f in readers) / len(readers)
+    refits = [f for f in new.fit_notes if "rel_err_after" in f]
+    if refits:
+        notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in refits) / len(refits)
+    notes["index_groups"] = [f["index_group"] for f in new.fit_notes if "index_group" in f]
+    return new, notes
+
+
+STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("mla", mla_stage), ("sinks", sinks_stage), ("csa2", csa2_stage)]
 
 
 # -- driver -----------------------------------------------------------------------------
@@ -206,8 +233,8 @@ def convert(
     log(format_stage(report[-1]))
     source_model = model
     for name, stage in STAGES:
-        if getattr(plan, name) is None:
-            continue
+        if getattr(plan, name) is None or (name == "mla" and plan.csa2 is not None):
+            continue  # with csa2, MLA is built inside the csa2 stage (full layers only)
         t = time.perf_counter()
         model, notes = stage(model, plan, calib, source_model)
         report.append(_stage_report(name, model, calib, t, notes))

@@ -28,6 +28,7 @@ MLA_ROPE_KEYS = ("shared", "per_head")
 MLA_ROPE_CRITERIA = ("perturbation", "norm")
 SINK_INITS = ("calibrated", "off")
 DTYPES = ("float32", "bfloat16", "float16")
+CSA2_MODES = ("swa", "full", "reindex", "reuse")  # the model config's list (kept import-free here)
 
 
 class PlanError(ValueError):
@@ -69,6 +70,32 @@ class MlaPlan:
 
 
 @dataclass
+class Csa2Plan:
+    """Rewrite the model into CSA2 shared-KV sparse layers (needs the ``mla`` section: it says
+    how full layers build their shared latent entries).
+
+    The layer plan is either ``layers`` (one mode per layer: full, reindex, reuse, swa) or
+    ``full_every: k`` (full at layers 0, k, 2k, ... and ``other_mode`` elsewhere). Reindex
+    layers read the nearest earlier full layer, reuse layers the nearest earlier full or
+    reindex layer. Each read attends Top-K (``top_k``) plus the layer's own ``window``.
+    """
+
+    layers: list | None = None
+    full_every: int | None = None
+    other_mode: str = "reuse"
+    window: int = 128
+    top_k: int = 256
+    sinks: bool | None = None  # None: keep each layer's own (e.g. from the sinks stage)
+    reader_ridge: float = 1e-3  # reader least squares, relative to mean diag(C^T C)
+    refit_output: bool = True  # o_proj of reindex/reuse/swa layers refit to the source's attention output
+
+    def layer_modes(self, num_layers: int) -> list[str]:
+        if self.layers is not None:
+            return list(self.layers)
+        return ["full" if i % self.full_every == 0 else self.other_mode for i in range(num_layers)]
+
+
+@dataclass
 class SinksPlan:
     """Add one learnable sink logit per query head."""
 
@@ -94,6 +121,7 @@ class ConversionPlan:
     gqa: GqaPlan | None = None
     mla: MlaPlan | None = None
     sinks: SinksPlan | None = None
+    csa2: Csa2Plan | None = None
     calibration: CalibrationPlan = field(default_factory=CalibrationPlan)
     dtype: str = "float32"
 
@@ -116,6 +144,8 @@ class ConversionPlan:
                 sinks = {}
             if sinks is not False:
                 kwargs["sinks"] = _build(SinksPlan, sinks, "sinks")
+        if data.get("csa2") is not None:
+            kwargs["csa2"] = _build(Csa2Plan, data["csa2"], "csa2")
         if data.get("calibration") is not None:
             kwargs["calibration"] = _build(CalibrationPlan, data["calibration"], "calibration")
         if "dtype" in data:
@@ -156,6 +186,8 @@ class ConversionPlan:
                 raise PlanError(f"gqa.init={self.gqa.init!r}; allowed: {', '.join(GQA_INITS)}")
         if self.mla is not None:
             self._validate_mla()
+        if self.csa2 is not None:
+            self._validate_csa2()
         if self.sinks is not None and self.sinks.init not in SINK_INITS:
             raise PlanError(f"sinks.init={self.sinks.init!r}; allowed: {', '.join(SINK_INITS)}")
         cal = self.calibration
@@ -183,6 +215,30 @@ class ConversionPlan:
         if not isinstance(mla.ridge, (int, float)) or mla.ridge <= 0:
             raise PlanError(f"mla.ridge={mla.ridge!r}; allowed: a positive number")
 
+    def _validate_csa2(self) -> None:
+        c = self.csa2
+        if self.mla is None:
+            raise PlanError("csa2 needs an mla section: full layers store MLA latent entries (kv_lora_rank, qk_rope_head_dim)")
+        if self.mla.uneven_ranks:
+            raise PlanError("csa2 with mla.uneven_ranks=true is not supported; allowed: uneven_ranks: false")
+        for name in ("window", "top_k"):
+            value = getattr(c, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"csa2.{name}={value!r}; allowed: an integer >= 1")
+        if (c.layers is None) == (c.full_every is None):
+            raise PlanError("csa2 needs exactly one of layers (a mode per layer) or full_every (an integer >= 1)")
+        if c.layers is not None:
+            bad = [m for m in c.layers if m not in CSA2_MODES]
+            if not isinstance(c.layers, list) or bad:
+                raise PlanError(f"csa2.layers has {bad or c.layers!r}; allowed modes: {', '.join(CSA2_MODES)}")
+        else:
+            if not isinstance(c.full_every, int) or isinstance(c.full_every, bool) or c.full_every < 1:
+                raise PlanError(f"csa2.full_every={c.full_every!r}; allowed: an integer >= 1")
+            if c.other_mode not in ("reuse", "reindex", "swa"):
+                raise PlanError(f"csa2.other_mode={c.other_mode!r}; allowed: reuse, reindex, swa")
+        if not isinstance(c.reader_ridge, (int, float)) or c.reader_ridge <= 0:
+            raise PlanError(f"csa2.reader_ridge={c.reader_ridge!r}; allowed: a positive number")
+
     def validate_for(self, config) -> None:
         """Checks against the source model's config (run before its weights are loaded)."""
         num_q = config.num_attention_heads
@@ -194,6 +250,16 @@ class ConversionPlan:
             )
         if self.mla is not None:
             self._validate_mla_for(config)
+        if self.csa2 is not None:
+            modes = self.csa2.layer_modes(config.num_hidden_layers)
+            if len(modes) != config.num_hidden_layers:
+                raise PlanError(f"csa2.layers has {len(modes)} modes; the model has {config.num_hidden_layers} layers (one each)")
+            from .csa2 import default_sources
+
+            try:
+                default_sources(modes)
+            except ValueError as err:
+                raise PlanError(f"csa2.layers: {err}") from err
 
     def _validate_mla_for(self, config) -> None:
         mla = self.mla
@@ -221,7 +287,7 @@ class ConversionPlan:
 
     @property
     def is_noop(self) -> bool:
-        return self.gqa is None and self.mla is None and self.sinks is None
+        return self.gqa is None and self.mla is None and self.sinks is None and self.csa2 is None
 
 
 def _reject_unknown(data: dict, cls, where: str) -> None:
@@ -242,5 +308,5 @@ def _build(cls, data: Any, where: str):
         raise PlanError(f"{where} needs the field(s) {required}: {err}") from err
 
 
-__all__ = ["CalibrationPlan", "ConversionPlan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan", "GQA_INITS", "MLA_INITS",
+__all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan", "GQA_INITS", "MLA_INITS",
            "SINK_INITS"]

@@ -1,0 +1,133 @@
+"""CSA2 surgery: layer plans, reader least squares, training-free indexer, the csa2 stage of
+the convert pipeline on tiny checkpoints (every architecture), and plan validation."""
+
+import json
+
+import pytest
+import torch
+from remote_code import assert_reloads_without_hf_csa2
+from tiny_models import ARCHS, VOCAB, save_tiny_source, tiny_model
+
+from hf_csa2.model import Csa2FullAttention, Csa2WindowAttention
+from hf_csa2.surgery.csa2 import apply_csa2, default_sources, fit_entry_reader, ridge_solve
+from hf_csa2.surgery.pipeline import convert
+from hf_csa2.surgery.plan import ConversionPlan, PlanError
+
+QK_NORM = ("qwen3", "gemma3_text")
+MODES = ["full", "reuse", "reindex", "reuse", "swa"]
+TEXT = " ".join(f"Record {i}: sensor {i % 17} reported value {i * 13 % 97} at step {i}." for i in range(500))
+
+
+def windows(n=8, length=48, seed=1):
+    return torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def convert_tiny(arch, modes=MODES, **kw):
+    src = tiny_model(arch, num_layers=len(modes))
+    model = apply_csa2(src, modes, window=4, top_k=8, kv_lora_rank=8, num_rope_pairs=2, windows=windows(),
+                       shared_rope_key=arch not in QK_NORM, **kw)
+    return src, model
+
+
+def test_default_sources_pick_the_nearest_earlier_layer():
+    assert default_sources(["full", "reuse", "reindex", "reuse", "full", "reindex", "swa"]) == [None, 0, 0, 2, None, 4, None]
+    with pytest.raises(ValueError, match="needs an earlier full layer"):
+        default_sources(["reindex", "full"])
+
+
+def test_ridge_solve_recovers_an_exact_linear_map():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 6, generator=g, dtype=torch.float64)
+    w = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    assert torch.allclose(ridge_solve(x, x @ w, 1e-12), w, atol=1e-8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_apply_csa2_builds_every_mode_and_fits_readers(arch):
+    src, model = convert_tiny(arch)
+    kinds = [type(l.self_attn) for l in model.model.layers]
+    assert kinds == [Csa2FullAttention] + [Csa2WindowAttention] * 4
+    notes = model.fit_notes
+    assert notes[0]["index_group"] in range(src.config.num_key_value_heads)
+    for i in (1, 2, 3):  # readers fitted: better than reading nothing (relative error 1)
+        assert notes[i]["reader_key_rel_err"] < 1.0 and notes[i]["reader_value_rel_err"] < 1.0
+        assert notes[i]["rel_err_after"] <= notes[i]["rel_err_before"] + 1e-9
+    # reindex starts from its source's index query: same selection as the layer it reindexes
+    idx_full, idx_re = model.model.layers[0].self_attn.indexer, model.model.layers[2].self_attn.indexer
+    assert torch.equal(idx_full.wq.weight, idx_re.wq.weight)
+    x = windows(2, 40, seed=7)
+    with torch.no_grad():
+        loss = model(x, labels=x).loss
+    assert torch.isfinite(loss)
+
+
+def test_reader_fit_is_exact_when_the_keys_are_a_linear_function_of_the_entries():
+    """If the reading layer's own K/V are linear in the source latent, least squares recovers
+    them: reader logits and values equal the layer's own (up to RoPE on the rope slots)."""
+    src, model = convert_tiny("llama", modes=["full", "reuse"])
+    full, reuse = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 20, 48, generator=g)
+    pos = torch.arange(20)[None].expand(3, -1)
+    pe = model.model.rotary_emb(hidden, pos)
+    with torch.no_grad():
+        full.attention_output(hidden, pe)  # fills full.scratch with this batch's latent
+        latent = full.scratch["latent"][:, 0]  # [3, 20, r]
+        # make the reuse layer's own keys/values an exact linear function of the latent:
+        # k = A c via k_proj = A W_DKV (no rope slots: coefficients must come out ~0)
+        a = torch.randn(reuse.num_key_value_heads * 12, full.kv_lora_rank, generator=g)
+        w_dkv = full.kv_a_proj.weight[: full.kv_lora_rank]
+        reuse.k_proj.weight.copy_(a @ w_dkv)
+        reuse.v_proj.weight.copy_(-a @ w_dkv)
+        if full.kv_a_proj.bias is not None:
+            reuse.k_proj.bias.copy_(a @ full.kv_a_proj.bias[: full.kv_lora_rank])
+        notes = fit_entry_reader(reuse, hidden, ridge=1e-10)
+    assert notes["reader_value_rel_err"] < 1e-8
+    assert latent.shape[-1] == full.kv_lora_rank
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch):
+    save_tiny_source(arch, tmp_path / "src", num_layers=5)
+    (tmp_path / "calib.txt").write_text(TEXT)
+    plan = {
+        "mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4, "rope_key": "per_head" if arch in QK_NORM else "shared"},
+        "csa2": {"layers": MODES, "window": 4, "top_k": 8},
+        "calibration": {"text": str(tmp_path / "calib.txt"), "num_tokens": 256, "seq_len": 64, "eval_windows": 2},
+    }
+    result = convert(str(tmp_path / "src"), plan, out_dir=tmp_path / "out", log=lambda m: None)
+    report = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert [s["stage"] for s in report["stages"]] == ["source", "csa2"]  # MLA runs inside the csa2 stage
+    notes = report["stages"][1]["notes"]
+    assert notes["modes"] == "FURUS" and notes["reader_key_rel_err"] < 1.0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert [s["mode"] for s in cfg["attention_layers"]] == MODES
+    with torch.no_grad():
+        assert_reloads_without_hf_csa2(result.model, torch.randint(4, 100, (1, 11)), tmp_path)
+
+
+@pytest.mark.parametrize(
+    "csa2, message",
+    [
+        ({"full_every": 2, "layers": ["full"]}, "exactly one of layers"),
+        ({"layers": ["full", "copy"]}, "allowed modes"),
+        ({"full_every": 0}, "full_every=0"),
+        ({"full_every": 2, "other_mode": "full"}, "other_mode"),
+        ({"full_every": 2, "window": 0}, "csa2.window=0"),
+        ({"full_every": 2, "top_k": -1}, "csa2.top_k=-1"),
+    ],
+)
+def test_plan_errors_name_the_field(csa2, message):
+    with pytest.raises(PlanError, match=message):
+        ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "csa2": csa2})
+
+
+def test_csa2_plan_needs_mla_and_a_valid_layer_plan_for_the_model():
+    with pytest.raises(PlanError, match="needs an mla section"):
+        ConversionPlan.from_dict({"csa2": {"full_every": 2}})
+    plan = ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "csa2": {"layers": ["reuse", "full"]}})
+    with pytest.raises(PlanError, match="needs an earlier full or reindex layer"):
+        plan.validate_for(tiny_model("llama").config)
+    plan = ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "csa2": {"layers": ["full"]}})
+    with pytest.raises(PlanError, match="the model has 2 layers"):
+        plan.validate_for(tiny_model("llama").config)
