@@ -185,9 +185,11 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _inspect(args) -> int:
     from .evals.kv_cache import (
         QK_NORM_MODEL_TYPES,
+        config_kv_elements_at_context,
         config_kv_elements_per_token,
         layer_attention_specs,
         layer_kv_elements_per_token,
+        measure_kv_elements_at_context,
         measure_kv_elements_per_token,
         measurement_length,
     )
@@ -211,6 +213,11 @@ def _inspect(args) -> int:
         "kv_elements_per_token_measured": measure_kv_elements_per_token(loaded.model, num_tokens=args.tokens),
         "measured_with_tokens": measurement_length(cfg, args.tokens),
     }
+    if args.context:
+        # Windowed layers keep only their last tokens: per-token cost depends on the context.
+        info["context"] = args.context
+        info["kv_elements_per_token_at_context_config"] = config_kv_elements_at_context(cfg, args.context) / args.context
+        info["kv_elements_per_token_at_context_measured"] = measure_kv_elements_at_context(loaded.model, args.context)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -224,6 +231,9 @@ def _inspect(args) -> int:
               f"{s['window'] or '-'} | {s['kv_elements_per_token']} |")
     print(f"KV elements per token: config {info['kv_elements_per_token_config']}, "
           f"measured from the live cache after a {info['measured_with_tokens']}-token prefill {info['kv_elements_per_token_measured']:.0f}")
+    if args.context:
+        print(f"KV elements per token at a {args.context}-token context: config "
+              f"{info['kv_elements_per_token_at_context_config']:.1f}, live cache {info['kv_elements_per_token_at_context_measured']:.1f}")
     return 0
 
 
@@ -318,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="per-layer attention kinds and measured KV-cache size")
     p.add_argument("model")
     p.add_argument("--tokens", type=int, default=16, help="prefill length for the live-cache measurement")
+    p.add_argument("--context", type=int, help="also measure the live cache after a prefill of this many tokens "
+                   "(windowed layers keep only their window, so the per-token cost depends on it)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_inspect)
 

@@ -138,3 +138,59 @@ def test_mla_activation_aware_beats_weight_svd_on_held_out_text(smollm2, texts, 
     ppl = {name: mean_nll(m, texts["heldout"])["ppl"] for name, m in
            [("source", smollm2.model), ("aware", mla_quarter), ("plain", plain)]}
     assert ppl["source"] < ppl["aware"] < ppl["plain"], ppl
+
+
+# -- CSA2 ---------------------------------------------------------------------------------
+
+
+def csa2_from(dense, mla, modes, *, window, top_k):
+    from hf_csa2.surgery.csa2 import assemble_csa2, csa2_layer_specs, default_sources, dense_layer_specs
+
+    specs = csa2_layer_specs(mla.config.attention_layers, dense_layer_specs(dense), modes, default_sources(modes),
+                             window=window, top_k=top_k, index_heads=3, index_head_dim=64,
+                             index_rope_pairs=list(range(32)))
+    return assemble_csa2(dense, mla, specs)
+
+
+def test_csa2_full_layers_selecting_everything_equal_the_mla_model(mla_quarter, texts):
+    """K >= T: a full layer reads every earlier entry (Top-K or window) -> the dense latent layer."""
+    model = csa2_from(mla_quarter, mla_quarter, ["full"] * 30, window=16, top_k=256)
+    x = texts["heldout"][:2]
+    assert (model(x).logits - mla_quarter(x).logits).abs().max() <= 1e-4
+
+
+def test_csa2_prefill_chunked_prefill_and_decode_agree_at_2k_tokens(smollm2, mla_quarter):
+    """Same logits for one forward and for chunked prefill + decode, up to the first query whose
+    Top-K differs: hard selection flips on near-ties when fp32 rounding differs between the
+    two schedules (a few rows in 2K); until then the caches must reproduce the forward."""
+    from hf_csa2.data.corpus import resolve_text
+
+    modes = (["full", "reuse", "reindex", "reuse", "swa"] * 6)
+    model = csa2_from(smollm2.model, mla_quarter, modes, window=64, top_k=128)
+    selecting = [l.self_attn for l, m in zip(model.model.layers, modes) if m in ("full", "reindex")]
+    x = token_windows(smollm2.tokenizer, resolve_text("python-docs:heldout"), 2048, 1)
+
+    def run(chunks):
+        picks = [[] for _ in selecting]
+        hooks = [a.register_forward_hook(lambda mod, args, out, k=k: picks[k].append(mod.scratch["top_k"]))
+                 for k, a in enumerate(selecting)]
+        out, cache, pos = [], None, 0
+        try:
+            for size in chunks:
+                res = model(x[:, pos : pos + size], cache=cache, use_cache=len(chunks) > 1)
+                out.append(res.logits)
+                cache, pos = res.cache, pos + size
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.cat(out, dim=1)[0], [torch.cat(p, dim=1)[0].sort(-1).values for p in picks]
+
+    with torch.no_grad():
+        full, full_picks = run([2048])
+        inc, inc_picks = run([1000, 1, 600, 444, 1, 1, 1])
+    differs = torch.stack([(a != b).any(-1) for a, b in zip(full_picks, inc_picks)]).any(0)  # [T]
+    first = int(differs.nonzero()[0]) if differs.any() else 2048
+    assert differs.float().mean() < 0.02, f"{int(differs.sum())} of 2048 queries selected differently"
+    assert first > 1000  # the whole first chunk and the decode step after it agree
+    assert (inc[:first] - full[:first]).abs().max() <= 1e-3
+    assert torch.equal(inc[:first].argmax(-1), full[:first].argmax(-1))

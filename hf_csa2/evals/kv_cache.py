@@ -116,4 +116,13 @@ def measure_kv_elements_per_token(model, num_tokens: int = 16) -> float:
     return live_cache_elements(out.cache) / num_tokens
 
 
-__all__ = ["cache_tensors", "config_kv_elements_at_context", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_per_token"]
+@torch.no_grad()
+def measure_kv_elements_at_context(model, num_tokens: int) -> float:
+    """Live-cache elements per token after a ``num_tokens`` prefill (batch 1): what a model
+    with windowed layers really holds per token of context."""
+    ids = torch.arange(num_tokens, device=next(model.parameters()).device)[None] % model.config.vocab_size
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return live_cache_elements(out.cache) / num_tokens
+
+
+__all__ = ["cache_tensors", "config_kv_elements_at_context", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_at_context", "measure_kv_elements_per_token"]

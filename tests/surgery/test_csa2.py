@@ -8,6 +8,7 @@ import torch
 from remote_code import assert_reloads_without_hf_csa2
 from tiny_models import ARCHS, VOCAB, save_tiny_source, tiny_model
 
+from hf_csa2.cli import main as cli_main
 from hf_csa2.model import Csa2FullAttention, Csa2WindowAttention
 from hf_csa2.surgery.csa2 import apply_csa2, default_sources, fit_entry_reader, ridge_solve
 from hf_csa2.surgery.pipeline import convert
@@ -87,7 +88,7 @@ def test_reader_fit_is_exact_when_the_keys_are_a_linear_function_of_the_entries(
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch):
+def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch, capsys):
     save_tiny_source(arch, tmp_path / "src", num_layers=5)
     (tmp_path / "calib.txt").write_text(TEXT)
     plan = {
@@ -104,6 +105,12 @@ def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch):
     assert [s["mode"] for s in cfg["attention_layers"]] == MODES
     with torch.no_grad():
         assert_reloads_without_hf_csa2(result.model, torch.randint(4, 100, (1, 11)), tmp_path)
+    capsys.readouterr()
+    assert cli_main(["inspect", str(tmp_path / "out"), "--context", "40", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    # windowed layers hold W-1 = 3 tokens, full layers all 40: the live cache says the same
+    assert info["kv_elements_per_token_at_context_measured"] == info["kv_elements_per_token_at_context_config"]
+    assert info["kv_elements_per_token_at_context_measured"] < info["kv_elements_per_token_measured"]
 
 
 @pytest.mark.parametrize(
