@@ -71,7 +71,7 @@ def _eval_needle(args) -> int:
 
     from .data.corpus import read_text, resolve_text
     from .evals.needle import CATEGORIES, generate_samples, write_jsonl
-    from .evals.needle_eval import generate_answers, score_records, write_reports
+    from .evals.needle_eval import OutputJournal, generate_answers, score_records, write_reports
     from .surgery.sources import load_source
 
     categories = args.categories.split(",") if args.categories else list(CATEGORIES)
@@ -83,6 +83,13 @@ def _eval_needle(args) -> int:
     if any(not 0.0 <= d <= 1.0 for d in depths):
         raise PlanError(f"--depths {depths}; allowed: numbers in [0, 1]")
     text = read_text(resolve_text(args.text), max_chars=4_000_000)
+    settings = {"models": list(args.models), "categories": categories, "lengths": lengths, "depths": depths,
+                "per_cell": args.per_cell, "seed": args.seed, "text": args.text,
+                "chat_template": not args.no_chat_template, "max_new_tokens": args.max_new_tokens}
+    try:
+        journal = OutputJournal(Path(args.out) / "needle.partial.jsonl", settings)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
     results, samples = {}, None
     for name in args.models:
         loaded = load_source(name, check_supported=False)
@@ -96,13 +103,14 @@ def _eval_needle(args) -> int:
                 write_jsonl(samples, args.export_jsonl)
             _log(f"{len(samples)} samples: {len(categories)} capabilities x {len(lengths)} lengths x "
                  f"{len(depths)} depths x {args.per_cell}")
-        outputs = generate_answers(loaded.model, loaded.tokenizer, samples,
-                                   chat_template=not args.no_chat_template, max_new_tokens=args.max_new_tokens)
+        done = journal.done.get(name, {})
+        if done:
+            _log(f"{name}: resuming, {len(done)} of {len(samples)} samples already answered ({journal.path})")
+        outputs = generate_answers(loaded.model, loaded.tokenizer, samples, chat_template=not args.no_chat_template,
+                                   max_new_tokens=args.max_new_tokens, done=done, on_output=journal.writer(name))
         results[name] = score_records(samples, outputs)
         del loaded
         gc.collect()
-    settings = {"lengths": lengths, "depths": depths, "per_cell": args.per_cell, "seed": args.seed,
-                "text": args.text, "chat_template": not args.no_chat_template, "max_new_tokens": args.max_new_tokens}
     paths = write_reports(results, args.out, settings)
     print(paths["table"])
     _log(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['heatmaps'])} heatmaps")

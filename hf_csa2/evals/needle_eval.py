@@ -9,6 +9,7 @@ table (one column per model plus ratios to the first), and ``heatmap_<model>_<ca
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 import math
 import re
 from collections import defaultdict
@@ -31,22 +32,68 @@ def build_prompt(tokenizer, sample: NeedleSample, chat_template: bool = True) ->
 
 @torch.no_grad()
 def generate_answers(model, tokenizer, samples: list[NeedleSample], *, chat_template: bool = True,
-                     max_new_tokens: int = 32) -> list[str]:
+                     max_new_tokens: int = 32, done: dict[str, str] | None = None,
+                     on_output: Callable[[NeedleSample, str], None] | None = None) -> list[str]:
     """Greedy outputs, one sample at a time (no padding effects), decoded without specials.
 
     ``model`` is a causal LM, or any callable ``prompt -> output text`` (scripted baselines).
+    ``done`` maps sample ids to outputs already generated (a resumed run skips them);
+    ``on_output(sample, output)`` is called after each new generation (e.g. to journal it).
     """
+    done = done or {}
+    if isinstance(model, torch.nn.Module):
+        model.eval()
     outputs = []
-    if not isinstance(model, torch.nn.Module):
-        return [model(build_prompt(tokenizer, s, chat_template)) for s in samples]
-    model.eval()
     for sample in samples:
+        if sample.id in done:
+            outputs.append(done[sample.id])
+            continue
         prompt = build_prompt(tokenizer, sample, chat_template)
-        enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat_template or not tokenizer.chat_template)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-        outputs.append(tokenizer.decode(gen[0, enc.input_ids.shape[1]:], skip_special_tokens=True))
+        if isinstance(model, torch.nn.Module):
+            enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat_template or not tokenizer.chat_template)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            out = tokenizer.decode(gen[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        else:
+            out = model(prompt)
+        outputs.append(out)
+        if on_output is not None:
+            on_output(sample, out)
     return outputs
+
+
+class OutputJournal:
+    """Append-only JSONL of generated outputs, so a long needle run survives interruption.
+
+    The first line holds the run settings; a later run with the same settings resumes (each
+    model skips the samples it already answered), with other settings it is refused.
+    """
+
+    def __init__(self, path: str | Path, settings: dict):
+        self.path = Path(path)
+        self.done: dict[str, dict[str, str]] = {}
+        if self.path.exists():
+            lines = self.path.read_text().splitlines()
+            head = json.loads(lines[0]) if lines else {}
+            if head.get("settings") != settings:
+                raise ValueError(f"{self.path} holds a needle run with other settings ({head.get('settings')}); "
+                                 f"delete it or pass another --out to start afresh")
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by the interruption
+                    continue
+                self.done.setdefault(rec["model"], {})[rec["id"]] = rec["output"]
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"settings": settings}) + "\n")
+
+    def writer(self, model_name: str) -> Callable[[NeedleSample, str], None]:
+        def write(sample: NeedleSample, output: str) -> None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"model": model_name, "id": sample.id, "output": output}) + "\n")
+
+        return write
 
 
 def score_records(samples: list[NeedleSample], outputs: list[str]) -> list[dict]:

@@ -112,3 +112,36 @@ def test_reports(samples, tmp_path):
     assert len(paths["heatmaps"]) == 2 * len(CATEGORIES)
     assert all((tmp_path / p).exists() for p in paths["heatmaps"])
     assert format_markdown(results).splitlines()[0].startswith("| capability | length | n | oracle")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_journal_resumes_and_refuses_other_settings(samples, tmp_path):
+    from hf_csa2.evals.needle_eval import OutputJournal
+
+    settings = {"seed": 3, "lengths": [1500, 3000]}
+    journal = OutputJournal(tmp_path / "needle.partial.jsonl", settings)
+    calls, stop_at = [], [5]
+
+    def counting_oracle(prompt):
+        calls.append(prompt)
+        if len(calls) == stop_at[0]:
+            raise Interrupted  # the run stops mid-way
+        return oracle(prompt)
+
+    with pytest.raises(Interrupted):
+        generate_answers(counting_oracle, tiny_tokenizer(), samples, on_output=journal.writer("m"))
+    with (tmp_path / "needle.partial.jsonl").open("a") as f:
+        f.write('{"model": "m", "id": "cut')  # a line cut by the interruption is ignored
+    resumed = OutputJournal(tmp_path / "needle.partial.jsonl", settings)
+    assert len(resumed.done["m"]) == 4
+    calls.clear()
+    stop_at[0] = None
+    outputs = generate_answers(counting_oracle, tiny_tokenizer(), samples, done=resumed.done["m"],
+                               on_output=resumed.writer("m"))
+    assert len(calls) == len(samples) - 4  # only the unanswered samples are generated again
+    assert all(r["correct"] for r in score_records(samples, outputs))
+    with pytest.raises(ValueError, match="other settings"):
+        OutputJournal(tmp_path / "needle.partial.jsonl", {"seed": 4})
