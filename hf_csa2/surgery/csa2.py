@@ -13,6 +13,7 @@ import torch
 from ..model import Csa2ForCausalLM
 from ..model.attention_base import rotate_half
 from ..model.csa2_attention import Csa2WindowAttention
+from ..training.indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
 from ..model.configuration_hf_csa2 import CSA2_MODES
 from .rebuild import is_csa2, native_specs, to_csa2
 
@@ -203,7 +204,8 @@ def default_sources(modes: list[str]) -> list[int | None]:
 @torch.no_grad()
 def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
                windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
-               sinks: bool | None = None, ridge: float = 1e-3, refit_output: bool = True, mla_options: dict | None = None):
+               sinks: bool | None = None, ridge: float = 1e-3, refit_output: bool = True, mla_options: dict | None = None,
+               indexer_warmup_steps: int = 0):
     """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
 
     Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
@@ -212,7 +214,9 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     with their source's index query (they select like it until trained). Reindex/reuse
     readers: least squares to the layer's own keys/values (:func:`fit_entry_reader`); then
     ``o_proj`` refit to the source layer's output. All fits run layer by layer on the
-    converted model's own activations over the calibration ``windows`` [N, T].
+    converted model's own activations over the calibration ``windows`` [N, T]. With
+    ``indexer_warmup_steps`` the indexers of full and reindex layers are then trained to
+    the dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`).
     The returned model carries ``fit_notes`` (one dict per layer).
     """
     from .calibration import decoder_layers
@@ -244,20 +248,37 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     def fit_layer(i, attn, hidden, attn_kwargs):
         src = dense_layers[i].self_attn
         notes: dict = {}
+        pe = attn_kwargs["position_embeddings"]
         if modes[i] == "full":
-            mass = far_attention_mass(src, hidden, attn_kwargs["position_embeddings"], window)
+            mass = far_attention_mass(src, hidden, pe, window)
             group = int(mass.argmax())
             init_indexer_from_attention(attn.indexer, src, group)
             notes.update(index_group=group, far_mass=[round(float(m), 4) for m in mass])
+            notes.update(train_indexer(attn.indexer, src, hidden, pe, None))
             return notes
         if modes[i] == "reindex":
-            source_indexer = attn.peers[attn.spec["source"]].indexer
-            attn.indexer.wq.load_state_dict(source_indexer.wq.state_dict())
-            attn.indexer.weights_proj.load_state_dict(source_indexer.weights_proj.state_dict())
+            source = attn.peers[attn.spec["source"]]
+            attn.indexer.wq.load_state_dict(source.indexer.wq.state_dict())
+            attn.indexer.weights_proj.load_state_dict(source.indexer.weights_proj.state_dict())
+            notes.update(train_indexer(attn.indexer, src, hidden, source.scratch["position_embeddings"],
+                                       source.scratch["index_keys"]))
         if attn.reader is not None:
             notes.update(fit_entry_reader(attn, hidden, ridge))
         if refit_output:
             notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i]))
+        return notes
+
+    def train_indexer(indexer, src, hidden, pe, keys) -> dict:
+        """Top-K recall of the dense attention mass, and KL warm-up when asked."""
+        q, k = src.scoring_qk(hidden, pe)
+        target, valid = dense_attention_targets(q, k, src.scaling, window)
+        own_keys = indexer.keys(hidden, pe) if keys is None else keys
+        notes = {"top_k_recall_init": top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, top_k, window)}
+        if indexer_warmup_steps:
+            notes.update(warm_up_indexer(indexer, hidden, pe, target, valid, window=window, keys=keys,
+                                         steps=indexer_warmup_steps))
+            own_keys = indexer.keys(hidden, pe) if keys is None else keys
+            notes["top_k_recall"] = top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, top_k, window)
         return notes
 
     new.fit_notes = calibrate_layerwise(new, windows, fit_layer)

@@ -133,7 +133,7 @@ def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) ->
     new = apply_csa2(
         model, modes, window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank,
         num_rope_pairs=mla.qk_rope_head_dim // 2, windows=calib.fit, shared_rope_key=mla.rope_key == "shared",
-        sinks=c.sinks, ridge=c.reader_ridge, refit_output=c.refit_output,
+        sinks=c.sinks, ridge=c.reader_ridge, refit_output=c.refit_output, indexer_warmup_steps=c.indexer_warmup_steps,
         mla_options=dict(rope_criterion=mla.rope_criterion, factorisation=mla.init, refit_output=mla.refit_output,
                          ridge=mla.ridge, latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
                          averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms),
@@ -148,6 +148,10 @@ def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) ->
     if refits:
         notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in refits) / len(refits)
     notes["index_groups"] = [f["index_group"] for f in new.fit_notes if "index_group" in f]
+    for key in ("top_k_recall_init", "top_k_recall", "index_kl_before", "index_kl_after"):
+        values = [f[key] for f in new.fit_notes if key in f]
+        if values:
+            notes[key] = sum(values) / len(values)
     return new, notes
 
 

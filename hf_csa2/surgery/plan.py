@@ -88,6 +88,7 @@ class Csa2Plan:
     sinks: bool | None = None  # None: keep each layer's own (e.g. from the sinks stage)
     reader_ridge: float = 1e-3  # reader least squares, relative to mean diag(C^T C)
     refit_output: bool = True  # o_proj of reindex/reuse/swa layers refit to the source's attention output
+    indexer_warmup_steps: int = 100  # KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)
 
     def layer_modes(self, num_layers: int) -> list[str]:
         if self.layers is not None:
@@ -236,6 +237,9 @@ class ConversionPlan:
                 raise PlanError(f"csa2.full_every={c.full_every!r}; allowed: an integer >= 1")
             if c.other_mode not in ("reuse", "reindex", "swa"):
                 raise PlanError(f"csa2.other_mode={c.other_mode!r}; allowed: reuse, reindex, swa")
+        steps = c.indexer_warmup_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise PlanError(f"csa2.indexer_warmup_steps={steps!r}; allowed: an integer >= 0")
         if not isinstance(c.reader_ridge, (int, float)) or c.reader_ridge <= 0:
             raise PlanError(f"csa2.reader_ridge={c.reader_ridge!r}; allowed: a positive number")
 

@@ -138,3 +138,12 @@ def test_csa2_plan_needs_mla_and_a_valid_layer_plan_for_the_model():
     plan = ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "csa2": {"layers": ["full"]}})
     with pytest.raises(PlanError, match="the model has 2 layers"):
         plan.validate_for(tiny_model("llama").config)
+
+
+def test_indexer_warm_up_lowers_the_kl_and_does_not_lose_recall():
+    src, model = convert_tiny("llama", indexer_warmup_steps=60)
+    for i in (0, 2):  # the full layer and the reindex layer
+        notes = model.fit_notes[i]
+        assert notes["index_kl_after"] < notes["index_kl_before"], notes
+        assert notes["top_k_recall"] >= notes["top_k_recall_init"] - 0.02, notes
+    assert all(p.requires_grad for p in model.parameters())  # training flags restored

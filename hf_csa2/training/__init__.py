@@ -1,0 +1,1 @@
+"""Training-side procedures (indexer warm-up; PEFT uplift recipes come later)."""
