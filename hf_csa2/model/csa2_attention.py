@@ -123,10 +123,11 @@ class EntryReader(nn.Module):
     Parameters: ``kv_b_proj`` [H * 2D, r_s] (+bias): per own KV head, the key (all ``D`` dims,
     position-free) and value it reads from a source latent; ``q_rope_coef`` [H, m, 2]: complex
     coefficient with which each own KV group reads each of the source's ``m`` rope slots (all
-    rope heads' slots, flattened), at that slot's frequency.
+    rope heads' slots, flattened), at that slot's frequency; ``logit_bias`` [HQ]: a per-head
+    offset of the entry logits.
     """
 
-    def __init__(self, source_spec: dict, num_key_value_heads: int, head_dim: int, dtype=None):
+    def __init__(self, source_spec: dict, num_query_heads: int, num_key_value_heads: int, head_dim: int, dtype=None):
         super().__init__()
         self.kv_lora_rank = source_spec["kv_lora_rank"]
         self.num_key_value_heads, self.head_dim = num_key_value_heads, head_dim
@@ -134,6 +135,9 @@ class EntryReader(nn.Module):
         self.num_rope_heads = len(source_spec["rope_pairs"])
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, num_key_value_heads * 2 * head_dim, bias=True, dtype=dtype)
         self.q_rope_coef = nn.Parameter(torch.zeros(num_key_value_heads, len(self.slot_pairs), 2, dtype=dtype))
+        # Per query head, added to every entry logit: approximate keys of far entries spread
+        # the logits, which inflates their share; this sets their total mass back.
+        self.logit_bias = nn.Parameter(torch.zeros(num_query_heads, dtype=dtype))
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(key map [H, D, r_s+1], value map [H, D, r_s+1]); the bias is the last latent column."""
@@ -148,7 +152,8 @@ class EntryReader(nn.Module):
         slots = rope_part[:, 0, :, : 2 * len(self.slot_pairs)].reshape(b, s, self.num_rope_heads, 2, n)
         return slots.transpose(2, 3).reshape(b, s, 2 * len(self.slot_pairs))
 
-    def segment(self, q_plain: torch.Tensor, kv_of_query: torch.Tensor, scratch: dict, index: torch.Tensor):
+    def segment(self, q_plain: torch.Tensor, kv_of_query: torch.Tensor, scratch: dict, index: torch.Tensor,
+                scaling: float):
         """Read operands for the source entries.
 
         q_plain [B, HQ, T, D] (own queries after QK-norm, before RoPE); scratch: the full
@@ -159,6 +164,8 @@ class EntryReader(nn.Module):
         b, _, s, _ = latent.shape
         k_up, v_up = self.up_weights()
         q_lat = torch.einsum("bhtd,hdr->bthr", q_plain, k_up[kv_of_query])  # [B, T, HQ, r+1]
+        # The constant latent coordinate carries the per-head bias (logits are scaled by `scaling`).
+        q_lat = torch.cat([q_lat[..., :-1], q_lat[..., -1:] + (self.logit_bias / scaling).view(1, 1, -1, 1)], dim=-1)
         half = self.head_dim // 2
         pairs = torch.tensor(self.slot_pairs, device=q_plain.device)
         re, im = q_plain[..., pairs], q_plain[..., pairs + half]  # [B, HQ, T, m]
@@ -185,7 +192,8 @@ class Csa2WindowAttention(Csa2Attention):
         super().__init__(source, config, layer_idx, spec)
         self.mode, self.window = spec["mode"], spec["window"]
         dtype = source.q_proj.weight.dtype
-        self.reader = None if self.mode == "swa" else EntryReader(entries_spec, self.num_key_value_heads, self.head_dim, dtype)
+        self.reader = None if self.mode == "swa" else EntryReader(
+            entries_spec, self.num_heads, self.num_key_value_heads, self.head_dim, dtype)
         self.indexer = None
         if self.mode == "reindex":
             self.top_k = spec["top_k"]
@@ -211,6 +219,24 @@ class Csa2WindowAttention(Csa2Attention):
         """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
         built from positions (causal, unpadded)."""
         b, t, _ = hidden_states.shape
+        segments, v_up = self.read_segments(hidden_states, position_embeddings, cache)
+        outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks)
+        out = outs[0]
+        if v_up is not None:
+            out = out + torch.einsum("bthr,hdr->bthd", outs[1], v_up)
+        return out.reshape(b, t, -1).contiguous(), None
+
+    @torch.no_grad()
+    def entry_share(self, hidden_states, position_embeddings) -> torch.Tensor:
+        """Share of each query's attention that goes to the shared entries [B, T, HQ] (no cache)."""
+        segments, _ = self.read_segments(hidden_states, position_embeddings, None)
+        _, weights = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks, return_weights=True)
+        return weights[..., segments[0].index.shape[-1]:].sum(-1)
+
+    def read_segments(self, hidden_states, position_embeddings, cache=None):
+        """The segments this layer reads (own window first, then the shared entries) and the
+        value map of the entries (or None)."""
+        b, t, _ = hidden_states.shape
         q_plain, k, v = self.project_plain(hidden_states)  # [B, HQ, T, D], [B, H, T, D]
         cos, sin = position_embeddings
         q = q_plain * cos[:, None] + rotate_half(q_plain) * sin[:, None]
@@ -226,14 +252,11 @@ class Csa2WindowAttention(Csa2Attention):
         v_up = None
         if self.reader is not None:
             top = self._top_k(hidden_states, positions)
-            entries, v_up = self.reader.segment(q_plain, self.kv_of_query, self.peers[self.spec["entries"]].scratch, top)
+            entries, v_up = self.reader.segment(q_plain, self.kv_of_query, self.peers[self.spec["entries"]].scratch, top,
+                                                self.scaling)
             segments.append(entries)
             self.scratch = {"top_k": top}
-        outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks)
-        out = outs[0]
-        if v_up is not None:
-            out = out + torch.einsum("bthr,hdr->bthd", outs[1], v_up)
-        return out.reshape(b, t, -1).contiguous(), None
+        return segments, v_up
 
     @property
     def kv_of_query(self) -> torch.Tensor:

@@ -66,6 +66,7 @@ class Csa2PreTrainedModel(PreTrainedModel):
             init.constant_(module.sinks, SINK_OFF)
         if isinstance(module, EntryReader):
             init.zeros_(module.q_rope_coef)
+            init.zeros_(module.logit_bias)
 
 
 class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):

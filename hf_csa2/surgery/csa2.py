@@ -152,6 +152,45 @@ def fit_entry_reader(attn: Csa2WindowAttention, hidden: torch.Tensor, ridge: flo
 
 
 @torch.no_grad()
+def calibrate_entry_mass(attn: Csa2WindowAttention, source_attn, hidden: torch.Tensor, position_embeddings) -> dict[str, float]:
+    """Set the reader's per-head ``logit_bias`` so that, on average over the calibration
+    tokens, the entries get the share of attention the dense source layer gives to the same
+    Top-K positions.
+
+    With the other logits fixed, the entries' share is ``sigmoid(logit(share_0) + b)`` per
+    query, so each head's ``b`` is found by bisection on the mean. Returns mean shares
+    (all heads) before, after and the target.
+    """
+    reader = attn.reader
+    reader.logit_bias.zero_()
+    share0 = attn.entry_share(hidden, position_embeddings).double()  # [N, T, HQ]
+    t = hidden.shape[1]
+    top = attn.scratch["top_k"]  # [N, T, K], from the read above
+    q, k = source_attn.scoring_qk(hidden, position_embeddings)
+    hq = q.shape[1]
+    k = k.repeat_interleave(hq // k.shape[1], dim=1)
+    pos = torch.arange(t, device=hidden.device)
+    logits = ((q @ k.transpose(-1, -2)).float() * source_attn.scaling).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    p = torch.softmax(logits, dim=-1)  # [N, HQ, T, T]
+    idx = top.clamp_min(0)[:, None].expand(-1, hq, -1, -1)
+    target = (p.gather(-1, idx) * (top >= 0)[:, None]).sum(-1).transpose(1, 2).double()  # [N, T, HQ]
+    rows = (top >= 0).any(-1)  # queries that read any entry
+    z = torch.logit(share0.clamp(1e-12, 1 - 1e-12))
+    bias = torch.zeros(hq, dtype=torch.float64)
+    for h in range(hq):
+        zh, goal = z[..., h][rows], target[..., h][rows].mean()
+        lo, hi = -30.0, 30.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if torch.sigmoid(zh + mid).mean() < goal else (lo, mid)
+        bias[h] = (lo + hi) / 2
+    reader.logit_bias.copy_(bias.to(reader.logit_bias.dtype))
+    after = torch.sigmoid(z + bias)[rows].mean()
+    return {"entry_share_before": float(share0[rows].mean()), "entry_share_after": float(after),
+            "entry_share_target": float(target[rows].mean())}
+
+
+@torch.no_grad()
 def far_attention_mass(source_attn, hidden: torch.Tensor, position_embeddings, window: int) -> torch.Tensor:
     """Mean attention mass per KV group [H] that a dense layer puts on positions older than ``window``."""
     q, k = source_attn.scoring_qk(hidden, position_embeddings)  # [N, HQ, T, D], [N, H, T, D]
@@ -205,7 +244,7 @@ def default_sources(modes: list[str]) -> list[int | None]:
 def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
                windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
                sinks: bool | None = None, ridge: float = 1e-3, refit_output: bool = True, mla_options: dict | None = None,
-               indexer_warmup_steps: int = 0):
+               indexer_warmup_steps: int = 0, calibrate_mass: bool = True):
     """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
 
     Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
@@ -216,7 +255,9 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     ``o_proj`` refit to the source layer's output. All fits run layer by layer on the
     converted model's own activations over the calibration ``windows`` [N, T]. With
     ``indexer_warmup_steps`` the indexers of full and reindex layers are then trained to
-    the dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`).
+    the dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`). With
+    ``calibrate_mass`` each reader's per-head logit bias is set so the entries get the share
+    of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`).
     The returned model carries ``fit_notes`` (one dict per layer).
     """
     from .calibration import decoder_layers
@@ -264,6 +305,8 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
                                        source.scratch["index_keys"]))
         if attn.reader is not None:
             notes.update(fit_entry_reader(attn, hidden, ridge))
+            if calibrate_mass:
+                notes.update(calibrate_entry_mass(attn, src, hidden, pe))
         if refit_output:
             notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i]))
         return notes
@@ -284,5 +327,5 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
     return new.eval()
 
-__all__ = ["apply_csa2", "assemble_csa2", "csa2_layer_specs", "default_sources", "dense_layer_specs", "far_attention_mass",
+__all__ = ["apply_csa2", "assemble_csa2", "calibrate_entry_mass", "csa2_layer_specs", "default_sources", "dense_layer_specs", "far_attention_mass",
            "fit_entry_reader", "init_indexer_from_attention", "ridge_solve"]

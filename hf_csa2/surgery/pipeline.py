@@ -148,7 +148,8 @@ def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) ->
     if refits:
         notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in refits) / len(refits)
     notes["index_groups"] = [f["index_group"] for f in new.fit_notes if "index_group" in f]
-    for key in ("top_k_recall_init", "top_k_recall", "index_kl_before", "index_kl_after"):
+    for key in ("top_k_recall_init", "top_k_recall", "index_kl_before", "index_kl_after",
+                "entry_share_before", "entry_share_after", "entry_share_target"):
         values = [f[key] for f in new.fit_notes if key in f]
         if values:
             notes[key] = sum(values) / len(values)

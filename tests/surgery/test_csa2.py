@@ -147,3 +147,11 @@ def test_indexer_warm_up_lowers_the_kl_and_does_not_lose_recall():
         assert notes["index_kl_after"] < notes["index_kl_before"], notes
         assert notes["top_k_recall"] >= notes["top_k_recall_init"] - 0.02, notes
     assert all(p.requires_grad for p in model.parameters())  # training flags restored
+
+
+def test_entry_mass_calibration_matches_the_dense_share_of_the_selected_positions():
+    src, model = convert_tiny("llama")
+    for i in (1, 2, 3):
+        n = model.fit_notes[i]
+        assert abs(n["entry_share_after"] - n["entry_share_target"]) < 1e-3, n
+    assert any(l.self_attn.reader.logit_bias.abs().max() > 0 for l in model.model.layers[1:4])
