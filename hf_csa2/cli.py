@@ -235,7 +235,10 @@ def _inspect(args) -> int:
     for i, s in enumerate(layers):
         latent = s.get("kv_lora_rank", "-")
         rope = sum(2 * len(p) for p in s["rope_pairs"]) if "rope_pairs" in s else "-"
-        print(f"| {i} | {s['kind']} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
+        kind = s["kind"] if s["kind"] != "csa2" else f"csa2 {s['mode']}" + (f" <- {s['source']}" if "source" in s else "")
+        if "top_k" in s:
+            kind += f" (top-{s['top_k']}, window {s['read_window']})"
+        print(f"| {i} | {kind} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
               f"{s['window'] or '-'} | {s['kv_elements_per_token']} |")
     print(f"KV elements per token: config {info['kv_elements_per_token_config']}, "
           f"measured from the live cache after a {info['measured_with_tokens']}-token prefill {info['kv_elements_per_token_measured']:.0f}")

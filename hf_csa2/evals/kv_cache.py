@@ -29,7 +29,7 @@ def layer_attention_specs(config) -> list[dict]:
         # Mistral has no layer_types: its one sliding_window applies to every layer.
         sliding = layer_type == "sliding_attention" or (window is not None and arch == "mistral")
         if spec.get("kind") == "csa2":  # own window ring; full layers keep every entry
-            out.append({**spec, "window": None if spec["mode"] == "full" else spec["window"]})
+            out.append({**spec, "window": None if spec["mode"] == "full" else spec["window"], "read_window": spec["window"]})
             continue
         out.append({**spec, "window": window if sliding else None})
     return out
