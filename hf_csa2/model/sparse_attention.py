@@ -71,6 +71,7 @@ def sparse_sink_attention(
     scaling: float,
     sinks: torch.Tensor | None = None,
     return_weights: bool = False,
+    query_block: int = 512,
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Softmax over the union of every segment's selected entries (plus the sink).
 
@@ -82,10 +83,26 @@ def sparse_sink_attention(
         return_weights: also return the weights [B, T, H, sum N] (real entries only, in
             segment order; rows sum to ``1 - a_sink``).
 
+        query_block: queries processed together; rows are independent, so blocks only bound
+            the memory of the gathered entries (O(block * N * D)).
+
     Returns:
         (one output [B, T, H, Dv] per segment, weights or None). The layer's read-out is the
         sum of the segment outputs after each is mapped to a common space.
     """
+    t = segments[0].query.shape[1]
+    if t > query_block:
+        parts = [
+            _sparse_block([SparseSegment(s.query[:, i : i + query_block], s.keys, s.values, s.index[:, i : i + query_block])
+                           for s in segments], scaling, sinks, return_weights)
+            for i in range(0, t, query_block)
+        ]
+        outputs = [torch.cat([p[0][k] for p in parts], dim=1) for k in range(len(segments))]
+        return outputs, (torch.cat([p[1] for p in parts], dim=1) if return_weights else None)
+    return _sparse_block(segments, scaling, sinks, return_weights)
+
+
+def _sparse_block(segments, scaling, sinks, return_weights):
     query = segments[0].query
     compute = torch.promote_types(query.dtype, torch.float32)
     logits = [segment_logits(s, scaling).to(compute) for s in segments]

@@ -190,3 +190,13 @@ def test_sink_is_a_gate_on_the_sparse_read(seed):
     gate = torch.sigmoid(lse - sinks.view(1, 1, -1)).nan_to_num(0.0)[..., None]
     for a, b in zip(with_sink, without):
         assert torch.allclose(a, gate * b, atol=1e-12)
+
+
+def test_query_blocks_do_not_change_the_result():
+    segments = make_segments(dtype=torch.float64)
+    sinks = torch.tensor([0.3, -2.0, 1.5, 0.0], dtype=torch.float64)
+    whole, w1 = sparse_sink_attention(segments, scaling=0.4, sinks=sinks, return_weights=True)
+    blocked, w2 = sparse_sink_attention(segments, scaling=0.4, sinks=sinks, return_weights=True, query_block=4)
+    for a, b in zip(whole, blocked):
+        assert torch.equal(a, b)
+    assert torch.equal(w1, w2)
