@@ -22,7 +22,7 @@ def test_yaml_round_trip(tmp_path):
         ({"gqa": {}}, ["gqa", "num_key_value_heads"]),
         ({"sinks": {"init": "zero"}}, ["sinks.init", "calibrated", "off"]),
         ({"dtype": "int8"}, ["dtype", "float32"]),
-        ({"gqa": {"num_key_value_heads": 1}, "csa2": {}}, ["unknown", "csa2", "allowed", "mla"]),
+        ({"gqa": {"num_key_value_heads": 1}, "hsi": {}}, ["unknown", "hsi", "allowed", "mla", "csa2"]),
         ({"mla": {"kv_lora_rank": 64}}, ["mla", "qk_rope_head_dim"]),
         ({"mla": {"kv_lora_rank": 64, "qk_rope_head_dim": 32, "init": "svd"}}, ["mla.init", "activation_aware", "weight_svd"]),
         ({"calibration": {"num_tokens": 10, "seq_len": 512}}, ["num_tokens", "seq_len"]),
