@@ -2,8 +2,8 @@
 
 ``full`` layers come from the MLA form of the same layer (its latent entries become the
 shared entries); ``reindex`` / ``reuse`` / ``swa`` layers keep their own dense keys/values for
-their window and get an entry reader (and, for reindex, an index query) whose weights start
-at their init. Calibrated initialisation of readers and indexers builds on this layout.
+their window and get an entry reader (and, for reindex, an index query). :func:`apply_csa2`
+fits readers, indexers and entry logit biases on calibration text.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 from ..model import Csa2ForCausalLM
 from ..model.attention_base import rotate_half
+from ..model.configuration_hf_csa2 import CSA2_MODES
 from ..model.csa2_attention import Csa2WindowAttention
 from ..training.indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
-from ..model.configuration_hf_csa2 import CSA2_MODES
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
