@@ -175,6 +175,8 @@ def calibrate_entry_mass(attn: Csa2WindowAttention, source_attn, hidden: torch.T
     idx = top.clamp_min(0)[:, None].expand(-1, hq, -1, -1)
     target = (p.gather(-1, idx) * (top >= 0)[:, None]).sum(-1).transpose(1, 2).double()  # [N, T, HQ]
     rows = (top >= 0).any(-1)  # queries that read any entry
+    if not rows.any():
+        raise ValueError("no calibration query reads a shared entry: calibration windows must be longer than the layer's window")
     z = torch.logit(share0.clamp(1e-12, 1 - 1e-12))
     bias = torch.zeros(hq, dtype=torch.float64)
     for h in range(hq):

@@ -237,6 +237,11 @@ class ConversionPlan:
                 raise PlanError(f"csa2.full_every={c.full_every!r}; allowed: an integer >= 1")
             if c.other_mode not in ("reuse", "reindex", "swa"):
                 raise PlanError(f"csa2.other_mode={c.other_mode!r}; allowed: reuse, reindex, swa")
+        if self.calibration.seq_len <= c.window:
+            raise PlanError(
+                f"calibration.seq_len={self.calibration.seq_len} must exceed csa2.window={c.window}: readers, entry "
+                f"biases and indexers are fitted on positions older than the window; allowed: seq_len > {c.window}"
+            )
         steps = c.indexer_warmup_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise PlanError(f"csa2.indexer_warmup_steps={steps!r}; allowed: an integer >= 0")

@@ -63,6 +63,8 @@ def warm_up_indexer(indexer, hidden: torch.Tensor, position_embeddings, target: 
     ``keys`` [N, T, d_I]: fixed index keys of another layer (reindex); None = the indexer's own
     keys from ``hidden`` (trained too). Returns the KL before and after (nats per query).
     """
+    if not valid.any():
+        raise ValueError("no calibration query has a selectable position: windows must be longer than the layer's window")
     params = [p for p in indexer.parameters()]
     was = [p.requires_grad for p in params]
     for p in params:

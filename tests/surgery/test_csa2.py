@@ -155,3 +155,13 @@ def test_entry_mass_calibration_matches_the_dense_share_of_the_selected_position
         n = model.fit_notes[i]
         assert abs(n["entry_share_after"] - n["entry_share_target"]) < 1e-3, n
     assert any(l.self_attn.reader.logit_bias.abs().max() > 0 for l in model.model.layers[1:4])
+
+
+def test_calibration_windows_must_be_longer_than_the_csa2_window():
+    with pytest.raises(PlanError, match="must exceed csa2.window=512"):
+        ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
+                                  "csa2": {"full_every": 2, "window": 512}, "calibration": {"seq_len": 512}})
+    with pytest.raises(ValueError, match="longer than the layer's window"):
+        apply_csa2(tiny_model("llama", num_layers=2), ["full", "reuse"], window=48,
+                                                         top_k=8, kv_lora_rank=8, num_rope_pairs=2, windows=windows(),
+                                                         indexer_warmup_steps=5)
