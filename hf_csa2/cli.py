@@ -7,6 +7,7 @@
     hf-csa2 eval report ORIGINAL CONVERTED [...] --out DIR
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
+    hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192]
     hf-csa2 export DIR --format deepseek_v3 --out OUT [--overwrite]
 """
 
@@ -256,6 +257,57 @@ def _export(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    import yaml
+
+    from .evals.kv_cache import config_kv_elements_at_context
+    from .surgery.pipeline import csa2_arguments, peek_config, prepare_source
+    from .surgery.plan import ConversionPlan
+    from .surgery.plan_search import SEARCH_OTHER_MODES, format_curve, parse_kv_budget, search_plan
+    from .surgery.sources import resolve_source
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise PlanError(f"--out {str(out)!r} exists; pass --overwrite to replace it")
+    if args.context < 1 or args.refresh < 1:
+        raise PlanError(f"--context {args.context} / --refresh {args.refresh}; allowed: integers >= 1")
+    base = ConversionPlan.from_yaml(args.plan)
+    if base.csa2 is None:
+        raise PlanError(f"--plan {args.plan!r} has no csa2 section; the search keeps its window, top_k, reader and "
+                        "indexer settings and the mla section, and chooses csa2.layers")
+    other = base.csa2.other_mode if base.csa2.layers is None else "reuse"
+    if other not in SEARCH_OTHER_MODES:
+        raise PlanError(f"csa2.other_mode={other!r}; allowed for the search: {', '.join(SEARCH_OTHER_MODES)}")
+    kind, path = resolve_source(args.source)
+    source_kv = config_kv_elements_at_context(peek_config(kind, path), args.context) / args.context
+    try:
+        budget = parse_kv_budget(args.kv_budget, source_kv)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
+    base.csa2.layers, base.csa2.full_every = None, 1  # every layer full: valid for any source while checking
+    prepared = prepare_source(args.source, base, _log)
+    try:
+        result = search_plan(prepared.model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
+                             kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh, log=_log)
+    except ValueError as err:
+        raise PlanError(str(err)) from err
+    table = format_curve(result)
+    print(table)
+    base.csa2.layers, base.csa2.full_every = result.chosen.modes, None
+    header = [f"CSA2 layer plan chosen by: hf-csa2 {' '.join(args.argv)}",
+              f"budget {budget:.1f} KV elements/token at a {args.context}-token context "
+              f"(source {source_kv:.1f}); {result.evaluations} plans scored on the calibration windows.",
+              "calib ppl below: plans assembled from parts fitted on the all-full model (a proxy);",
+              "convert the plan for its real figures.", ""] + table.splitlines()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = yaml.safe_dump(base.to_dict(), sort_keys=False, default_flow_style=None, width=120)
+    out.write_text("".join(f"# {line}".rstrip() + "\n" for line in header) + body)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2))
+    _log(f"wrote {out}")
+    return 0
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -343,6 +395,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "(windowed layers keep only their window, so the per-token cost depends on it)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser("plan", help="search the CSA2 layer plan (which layers are full) for a KV budget; writes a plan YAML")
+    p.add_argument("source", help="source model (folder, GGUF, Hub ID or alias)")
+    p.add_argument("--kv-budget", required=True,
+                   help="KV elements per token at --context (e.g. 960) or a fraction of the source's (e.g. 1/12)")
+    p.add_argument("--plan", required=True, help="base plan YAML (mla, csa2 and calibration sections); the search "
+                   "keeps its settings and chooses csa2.layers")
+    p.add_argument("--out", required=True, help="plan YAML to write")
+    p.add_argument("--context", type=int, default=8192, help="context length at which the KV budget is counted")
+    p.add_argument("--refresh", type=int, default=4, help="stale candidates re-scored per greedy step")
+    p.add_argument("--json", help="also write the trade-off curve as JSON")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("export", help="write a converted checkpoint in a stock transformers architecture")
     p.add_argument("model", help="hf_csa2 checkpoint folder")

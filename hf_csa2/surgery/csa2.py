@@ -8,6 +8,8 @@ fits readers, indexers and entry logit biases on calibration text.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..model import Csa2ForCausalLM
@@ -15,6 +17,7 @@ from ..model.attention_base import rotate_half
 from ..model.configuration_hf_csa2 import CSA2_MODES
 from ..model.csa2_attention import Csa2WindowAttention
 from ..training.indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
+from .layerwise import refit_output_projection
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -242,31 +245,77 @@ def default_sources(modes: list[str]) -> list[int | None]:
     return sources
 
 
-@torch.no_grad()
-def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
-               windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
-               sinks: bool | None = None, ridge: float = 1e-3, refit_output: bool = True, mla_options: dict | None = None,
-               indexer_warmup_steps: int = 0, calibrate_mass: bool = True):
-    """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
+@dataclass
+class Csa2FitOptions:
+    """How :func:`fit_csa2_layer` initialises one CSA2 layer (see :func:`apply_csa2`)."""
 
-    Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
-    ``kv_lora_rank`` / ``num_rope_pairs`` / ``mla_options``), training-free indexer copied
-    from the KV group with the most attention mass beyond the window. Reindex layers start
-    with their source's index query (they select like it until trained). Reindex/reuse
-    readers: least squares to the layer's own keys/values (:func:`fit_entry_reader`); then
-    ``o_proj`` refit to the source layer's output. All fits run layer by layer on the
-    converted model's own activations over the calibration ``windows`` [N, T]. With
-    ``indexer_warmup_steps`` the indexers of full and reindex layers are then trained to
-    the dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`). With
-    ``calibrate_mass`` each reader's per-head logit bias is set so the entries get the share
-    of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`).
-    The returned model carries ``fit_notes`` (one dict per layer).
+    window: int
+    top_k: int
+    ridge: float = 1e-3
+    refit_output: bool = True
+    indexer_warmup_steps: int = 0
+    calibrate_mass: bool = True
+
+
+@torch.no_grad()
+def fit_csa2_layer(attn, src, hidden: torch.Tensor, attn_kwargs: dict, target: torch.Tensor | None,
+                   opts: Csa2FitOptions) -> dict:
+    """Calibrated init of one CSA2 layer ``attn`` from its dense source layer ``src``.
+
+    hidden [N, T, hidden]: the layer's inputs; target [N, T, hidden]: the dense layer's
+    attention output (for the ``o_proj`` refit). A reindex/reuse layer reads the scratch its
+    ``peers`` hold for the same tokens (the full layer ran first). Full: training-free indexer
+    from the KV group with the most attention mass beyond the window (+ KL warm-up).
+    Reindex: its source's index query (+ warm-up). Reindex/reuse: reader least squares and
+    entry-mass bias. Every non-full layer: ``o_proj`` refit. Returns the fit notes.
     """
-    from .calibration import decoder_layers
-    from .layerwise import calibrate_layerwise, refit_output_projection, source_attention_outputs
+    notes: dict = {}
+    pe = attn_kwargs["position_embeddings"]
+    mode = attn.spec["mode"]
+    if mode == "full":
+        mass = far_attention_mass(src, hidden, pe, opts.window)
+        group = int(mass.argmax())
+        init_indexer_from_attention(attn.indexer, src, group)
+        notes.update(index_group=group, far_mass=[round(float(m), 4) for m in mass])
+        notes.update(_train_indexer(attn.indexer, src, hidden, pe, None, opts))
+        return notes
+    if mode == "reindex":
+        source = attn.peers[attn.spec["source"]]
+        attn.indexer.wq.load_state_dict(source.indexer.wq.state_dict())
+        attn.indexer.weights_proj.load_state_dict(source.indexer.weights_proj.state_dict())
+        full = attn.peers[attn.spec["entries"]].scratch
+        notes.update(_train_indexer(attn.indexer, src, hidden, full["position_embeddings"], full["index_keys"], opts))
+    if attn.reader is not None:
+        notes.update(fit_entry_reader(attn, hidden, opts.ridge))
+        if opts.calibrate_mass:
+            notes.update(calibrate_entry_mass(attn, src, hidden, pe))
+    if opts.refit_output:
+        notes.update(refit_output_projection(attn, hidden, attn_kwargs, target))
+    return notes
+
+
+def _train_indexer(indexer, src, hidden, pe, keys, opts: Csa2FitOptions) -> dict:
+    """Top-K recall of the dense attention mass, and KL warm-up when asked."""
+    q, k = src.scoring_qk(hidden, pe)
+    target, valid = dense_attention_targets(q, k, src.scaling, opts.window)
+    own_keys = indexer.keys(hidden, pe) if keys is None else keys
+    notes = {"top_k_recall_init": top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, opts.top_k, opts.window)}
+    if opts.indexer_warmup_steps:
+        notes.update(warm_up_indexer(indexer, hidden, pe, target, valid, window=opts.window, keys=keys,
+                                     steps=opts.indexer_warmup_steps))
+        own_keys = indexer.keys(hidden, pe) if keys is None else keys
+        notes["top_k_recall"] = top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, opts.top_k, opts.window)
+    return notes
+
+
+def build_csa2_skeleton(dense, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
+                        windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
+                        sinks: bool | None = None, mla_options: dict | None = None) -> Csa2ForCausalLM:
+    """The CSA2 model of ``modes`` before its readers/indexers are fitted: full layers in MLA
+    form (:func:`apply_mla` on those layers only, fitted on ``windows`` [N, T]), every other
+    layer with the dense layer's own projections. ``dense``: an hf_csa2 model with dense layers."""
     from .mla import apply_mla
 
-    dense = model if is_csa2(model) else to_csa2(model, native_specs(model.config))
     if any(s["kind"] != "dense" for s in dense.config.attention_layers):
         raise ValueError("CSA2 surgery needs dense attention layers as input")
     if len(modes) != len(dense.config.attention_layers):
@@ -284,50 +333,52 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     specs = csa2_layer_specs(mla.config.attention_layers, dense.config.attention_layers, modes, sources,
                              window=window, top_k=top_k, index_heads=index_heads, index_head_dim=d,
                              index_rope_pairs=list(range(d // 2)), sinks=sinks)
-    new = to_csa2(mla, specs)
+    return to_csa2(mla, specs)
+
+
+def as_dense_csa2(model):
+    """``model`` as an hf_csa2 model (native models get dense layer specs)."""
+    return model if is_csa2(model) else to_csa2(model, native_specs(model.config))
+
+
+@torch.no_grad()
+def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
+               windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
+               sinks: bool | None = None, ridge: float = 1e-3, refit_output: bool = True, mla_options: dict | None = None,
+               indexer_warmup_steps: int = 0, calibrate_mass: bool = True):
+    """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
+
+    Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
+    ``kv_lora_rank`` / ``num_rope_pairs`` / ``mla_options``), training-free indexer copied
+    from the KV group with the most attention mass beyond the window. Reindex layers start
+    with their source's index query (they select like it until trained). Reindex/reuse
+    readers: least squares to the layer's own keys/values (:func:`fit_entry_reader`); then
+    ``o_proj`` refit to the source layer's output. All fits (:func:`fit_csa2_layer`) run layer
+    by layer on the converted model's own activations over the calibration ``windows`` [N, T].
+    With ``indexer_warmup_steps`` the indexers of full and reindex layers are trained to the
+    dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`). With
+    ``calibrate_mass`` each reader's per-head logit bias is set so the entries get the share
+    of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`).
+    The returned model carries ``fit_notes`` (one dict per layer).
+    """
+    from .calibration import decoder_layers
+    from .layerwise import calibrate_layerwise, source_attention_outputs
+
+    dense = as_dense_csa2(model)
+    new = build_csa2_skeleton(dense, modes, window=window, top_k=top_k, kv_lora_rank=kv_lora_rank,
+                              num_rope_pairs=num_rope_pairs, windows=windows, sources=sources,
+                              shared_rope_key=shared_rope_key, sinks=sinks, mla_options=mla_options)
+    opts = Csa2FitOptions(window=window, top_k=top_k, ridge=ridge, refit_output=refit_output,
+                          indexer_warmup_steps=indexer_warmup_steps, calibrate_mass=calibrate_mass)
     dense_layers = decoder_layers(dense)
     targets = source_attention_outputs(dense, windows)
 
     def fit_layer(i, attn, hidden, attn_kwargs):
-        src = dense_layers[i].self_attn
-        notes: dict = {}
-        pe = attn_kwargs["position_embeddings"]
-        if modes[i] == "full":
-            mass = far_attention_mass(src, hidden, pe, window)
-            group = int(mass.argmax())
-            init_indexer_from_attention(attn.indexer, src, group)
-            notes.update(index_group=group, far_mass=[round(float(m), 4) for m in mass])
-            notes.update(train_indexer(attn.indexer, src, hidden, pe, None))
-            return notes
-        if modes[i] == "reindex":
-            source = attn.peers[attn.spec["source"]]
-            attn.indexer.wq.load_state_dict(source.indexer.wq.state_dict())
-            attn.indexer.weights_proj.load_state_dict(source.indexer.weights_proj.state_dict())
-            notes.update(train_indexer(attn.indexer, src, hidden, source.scratch["position_embeddings"],
-                                       source.scratch["index_keys"]))
-        if attn.reader is not None:
-            notes.update(fit_entry_reader(attn, hidden, ridge))
-            if calibrate_mass:
-                notes.update(calibrate_entry_mass(attn, src, hidden, pe))
-        if refit_output:
-            notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i]))
-        return notes
-
-    def train_indexer(indexer, src, hidden, pe, keys) -> dict:
-        """Top-K recall of the dense attention mass, and KL warm-up when asked."""
-        q, k = src.scoring_qk(hidden, pe)
-        target, valid = dense_attention_targets(q, k, src.scaling, window)
-        own_keys = indexer.keys(hidden, pe) if keys is None else keys
-        notes = {"top_k_recall_init": top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, top_k, window)}
-        if indexer_warmup_steps:
-            notes.update(warm_up_indexer(indexer, hidden, pe, target, valid, window=window, keys=keys,
-                                         steps=indexer_warmup_steps))
-            own_keys = indexer.keys(hidden, pe) if keys is None else keys
-            notes["top_k_recall"] = top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, top_k, window)
-        return notes
+        return fit_csa2_layer(attn, dense_layers[i].self_attn, hidden, attn_kwargs, targets[i], opts)
 
     new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
     return new.eval()
 
-__all__ = ["apply_csa2", "assemble_csa2", "calibrate_entry_mass", "csa2_layer_specs", "default_sources", "dense_layer_specs", "far_attention_mass",
+__all__ = ["Csa2FitOptions", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",
+           "csa2_layer_specs", "default_sources", "dense_layer_specs", "far_attention_mass", "fit_csa2_layer",
            "fit_entry_reader", "init_indexer_from_attention", "ridge_solve"]

@@ -125,19 +125,25 @@ def sinks_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -
     return new, notes
 
 
-def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
-    """Rewrite into CSA2 layers (see :mod:`.csa2`): MLA entries in the full layers, readers and
-    indexers fitted on the calibration text."""
+def csa2_arguments(plan: ConversionPlan) -> dict:
+    """Keyword arguments of :func:`apply_csa2` from the plan's ``csa2`` and ``mla`` sections."""
     c, mla = plan.csa2, plan.mla
-    modes = c.layer_modes(model.config.num_hidden_layers)
-    new = apply_csa2(
-        model, modes, window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank,
-        num_rope_pairs=mla.qk_rope_head_dim // 2, windows=calib.fit, shared_rope_key=mla.rope_key == "shared",
-        sinks=c.sinks, ridge=c.reader_ridge, refit_output=c.refit_output, indexer_warmup_steps=c.indexer_warmup_steps,
+    return dict(
+        window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank, num_rope_pairs=mla.qk_rope_head_dim // 2,
+        shared_rope_key=mla.rope_key == "shared", sinks=c.sinks, ridge=c.reader_ridge, refit_output=c.refit_output,
+        indexer_warmup_steps=c.indexer_warmup_steps,
         mla_options=dict(rope_criterion=mla.rope_criterion, factorisation=mla.init, refit_output=mla.refit_output,
                          ridge=mla.ridge, latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
                          averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms),
     )
+
+
+def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
+    """Rewrite into CSA2 layers (see :mod:`.csa2`): MLA entries in the full layers, readers and
+    indexers fitted on the calibration text."""
+    c = plan.csa2
+    modes = c.layer_modes(model.config.num_hidden_layers)
+    new = apply_csa2(model, modes, windows=calib.fit, **csa2_arguments(plan))
     notes: dict = {"modes": "".join({"full": "F", "reindex": "R", "reuse": "U", "swa": "S"}[m] for m in modes),
                    "window": c.window, "top_k": c.top_k}
     readers = [f for f in new.fit_notes if "reader_key_rel_err" in f]
@@ -198,6 +204,39 @@ def _stage_report(name: str, model, calib: Calibration, started: float, notes: d
     )
 
 
+@dataclass
+class PreparedSource:
+    loaded: object  # LoadedSource: .model, .tokenizer
+    model: PreTrainedModel
+    calib: Calibration
+    kind: str
+    config: object
+
+
+def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None] = print) -> PreparedSource:
+    """Check ``plan`` against the source's config (before loading weights), load the source
+    and cut the calibration windows (``fit`` / ``score``)."""
+    kind, path = resolve_source(source)
+    config = peek_config(kind, path)
+    if config.model_type not in SUPPORTED_BASE_MODEL_TYPES:
+        raise SourceError(
+            f"{source!r} is a {config.model_type!r} model; supported architectures: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
+        )
+    plan.validate_for(config)
+    text_path = resolve_text(plan.calibration.text)
+    t0 = time.perf_counter()
+    loaded = load_source(source, dtype=getattr(torch, plan.dtype))
+    model = loaded.model.eval()
+    model.config._attn_implementation = model.config._attn_implementation or "sdpa"
+    cal = plan.calibration
+    windows = token_windows(loaded.tokenizer, text_path, cal.seq_len, cal.num_tokens // cal.seq_len + cal.eval_windows)
+    if windows.shape[0] <= cal.eval_windows:
+        raise PlanError(f"calibration text {str(text_path)!r} gives only {windows.shape[0]} windows of {cal.seq_len} tokens")
+    calib = Calibration(fit=windows[cal.eval_windows :], score=windows[: cal.eval_windows])
+    log(f"loaded {source} ({kind}) in {time.perf_counter() - t0:.1f}s; calibration: {calib.fit.shape[0]}x{cal.seq_len} tokens")
+    return PreparedSource(loaded=loaded, model=model, calib=calib, kind=kind, config=config)
+
+
 def convert(
     source: str,
     plan: ConversionPlan | dict | str | None = None,
@@ -214,26 +253,10 @@ def convert(
     plan = as_plan(plan)
     if out_dir is not None:
         check_output_dir(out_dir, overwrite)
-    kind, path = resolve_source(source)
-    config = peek_config(kind, path)
-    if config.model_type not in SUPPORTED_BASE_MODEL_TYPES:
-        raise SourceError(
-            f"{source!r} is a {config.model_type!r} model; supported architectures: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
-        )
-    plan.validate_for(config)
-    text_path = resolve_text(plan.calibration.text)
-
     t0 = time.perf_counter()
-    loaded = load_source(source, dtype=getattr(torch, plan.dtype))
-    model = loaded.model.eval()
-    model.config._attn_implementation = model.config._attn_implementation or "sdpa"
-    cal = plan.calibration
-    windows = token_windows(loaded.tokenizer, text_path, cal.seq_len, cal.num_tokens // cal.seq_len + cal.eval_windows)
-    if windows.shape[0] <= cal.eval_windows:
-        raise PlanError(f"calibration text {str(text_path)!r} gives only {windows.shape[0]} windows of {cal.seq_len} tokens")
-    calib = Calibration(fit=windows[cal.eval_windows :], score=windows[: cal.eval_windows])
-    log(f"loaded {source} ({kind}) in {time.perf_counter() - t0:.1f}s; calibration: {calib.fit.shape[0]}x{cal.seq_len} tokens")
-
+    prepared = prepare_source(source, plan, log)
+    loaded, model, calib, kind, config = (prepared.loaded, prepared.model, prepared.calib, prepared.kind,
+                                          prepared.config)
     report = [_stage_report("source", model, calib, t0, {"kind": kind, "model_type": config.model_type})]
     log(format_stage(report[-1]))
     source_model = model

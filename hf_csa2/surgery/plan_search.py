@@ -1,0 +1,276 @@
+"""CSA2 layer-plan search: which layers are ``full`` under a KV budget (``hf-csa2 plan``).
+
+Greedy, IndexCache-style: start with every layer ``full``; at each step demote the full
+layer whose removal raises the calibration loss least (the layers that read it now read the
+previous full layer; layers before the first full layer become ``swa``), until the plan's KV
+elements per token at the reference context fit the budget. The path is the trade-off curve.
+
+A real conversion per candidate would take minutes, so candidates are assembled from a bank
+of parts fitted once (:class:`PlanBank`): the all-full CSA2 model (each layer's MLA entries
+and indexer, fitted layer by layer like a real conversion), and for every (layer, mode,
+source) the search visits, that layer's reader, entry bias and ``o_proj`` fitted with the
+same :func:`~hf_csa2.surgery.csa2.fit_csa2_layer` a conversion runs, on the all-full model's
+activations (a conversion fits on the plan's own activations: the search scores a proxy, and
+the chosen plan is then converted for real). Each candidate is installed into the bank
+model in place and scored on the held-out calibration windows.
+
+Lazy greedy: a demotion changes only the readers of its neighbours, so each step re-scores
+the neighbours of the last demoted layer, never-scored candidates and the ``refresh`` best
+candidates of earlier steps; with ``refresh`` >= the number of layers it is the plain greedy.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from types import SimpleNamespace
+from typing import Callable, Iterable
+
+import torch
+
+from ..evals.kv_cache import config_kv_elements_at_context
+from ..evals.ppl import mean_nll
+from ..model.configuration_hf_csa2 import Csa2Config, validate_csa2_sources
+from ..model.csa2_attention import Csa2WindowAttention
+from .calibration import decoder_layers
+from .csa2 import Csa2FitOptions, apply_csa2, as_dense_csa2, csa2_layer_specs, default_sources, fit_csa2_layer
+from .layerwise import calibrate_layerwise, source_attention_outputs
+
+SEARCH_OTHER_MODES = ("reuse", "reindex", "swa")
+
+
+@dataclass
+class PlanPoint:
+    """One plan on the trade-off curve."""
+
+    full_layers: list[int]
+    modes: list[str]
+    kv_elements_per_token: float  # at the search's reference context
+    calib_ppl: float
+
+
+@dataclass
+class PlanSearchResult:
+    source_ppl: float
+    source_kv_elements_per_token: float
+    context: int
+    budget: float
+    path: list[PlanPoint]  # all-full first, the chosen plan last
+    uniform: PlanPoint | None  # evenly spaced full layers, as many as the chosen plan
+    evaluations: int
+    fit_notes: dict = field(default_factory=dict)
+
+    @property
+    def chosen(self) -> PlanPoint:
+        return self.path[-1]
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "chosen": asdict(self.chosen)}
+
+
+def parse_kv_budget(text: str | float, source_kv: float) -> float:
+    """KV budget in elements per token: a number >= 1 is absolute (e.g. ``960``); a fraction
+    (``1/12``, ``0.083``) is relative to the source's ``source_kv``."""
+    try:
+        value = float(Fraction(str(text).strip()))
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"--kv-budget {text!r}; allowed: elements per token (e.g. 960) or a fraction of the "
+                         f"source's {source_kv:.0f} (e.g. 1/12 or 0.083)") from None
+    if value <= 0:
+        raise ValueError(f"--kv-budget {text!r}; allowed: a positive number")
+    return value * source_kv if value < 1 else value
+
+
+def plan_modes(num_layers: int, full_layers: Iterable[int], other_mode: str = "reuse") -> list[str]:
+    """Modes of the plan with these full layers: ``other_mode`` after the first full layer,
+    ``swa`` before it (nothing to read there)."""
+    full = set(full_layers)
+    first = min(full) if full else num_layers
+    return ["full" if i in full else ("swa" if i < first else other_mode) for i in range(num_layers)]
+
+
+def uniform_full_layers(num_layers: int, count: int) -> list[int]:
+    """``count`` evenly spaced full layers starting at 0 (``full_every`` when it divides)."""
+    return sorted({k * num_layers // count for k in range(count)}) if count else []
+
+
+def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]], float],
+                    fits: Callable[[tuple[int, ...]], bool], refresh: int = 4) -> list[tuple[tuple[int, ...], float]]:
+    """Demote full layers one at a time until ``fits(full_layers)``.
+
+    ``evaluate(full_layers) -> loss`` scores a plan. Each step scores the candidates named in
+    the module docstring and demotes the one with the lowest loss (ties: the later layer).
+    Returns the path ``[(full_layers, loss), ...]``, all layers first.
+    """
+    full = tuple(sorted(layers))
+    path = [(full, evaluate(full))]
+    scores: dict[int, float] = {}  # loss after demoting this layer, when it was last scored
+    last_neighbours: set[int] = set()
+    while full and not fits(full):
+        ranked = sorted((f for f in full if f in scores), key=lambda f: (scores[f], -f))
+        todo = {f for f in full if f not in scores} | last_neighbours | set(ranked[:refresh])
+        for f in sorted(todo):
+            scores[f] = evaluate(tuple(x for x in full if x != f))
+        best = min(todo, key=lambda f: (scores[f], -f))
+        k = full.index(best)
+        last_neighbours = set(full[max(k - 1, 0): k] + full[k + 1: k + 2])
+        full = full[:k] + full[k + 1:]
+        path.append((full, scores.pop(best)))
+    return path
+
+
+class PlanBank:
+    """Parts for assembling CSA2 plans of one model (see the module docstring).
+
+    ``model``: the source (native or hf_csa2 dense); ``fit`` [N, T] calibration windows for
+    the fits, ``score`` [M, T] for the loss; ``csa2_kwargs``: :func:`apply_csa2` arguments
+    (window, top_k, MLA settings, ...).
+    """
+
+    def __init__(self, model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict, other_mode: str = "reuse",
+                 log: Callable[[str], None] = print):
+        if other_mode not in SEARCH_OTHER_MODES:
+            raise ValueError(f"other_mode={other_mode!r}; allowed: {', '.join(SEARCH_OTHER_MODES)}")
+        self.dense = as_dense_csa2(model)
+        self.num_layers = len(self.dense.config.attention_layers)
+        self.other_mode, self.score, self.kwargs = other_mode, score, dict(csa2_kwargs)
+        self.opts = Csa2FitOptions(window=self.kwargs["window"], top_k=self.kwargs["top_k"],
+                                   ridge=self.kwargs.get("ridge", 1e-3), refit_output=self.kwargs.get("refit_output", True),
+                                   indexer_warmup_steps=self.kwargs.get("indexer_warmup_steps", 0))
+        log(f"plan search: fitting the all-full model ({self.num_layers} layers)")
+        self.model = apply_csa2(self.dense, ["full"] * self.num_layers, windows=fit, **self.kwargs)
+        self.full_specs = [dict(s) for s in self.model.config.attention_layers]
+        self.full_modules = [layer.self_attn for layer in decoder_layers(self.model)]
+        self.dense_modules = [layer.self_attn for layer in decoder_layers(self.dense)]
+        inputs: dict[int, tuple] = {}
+        calibrate_layerwise(self.model, fit, lambda i, attn, hidden, kw: inputs.__setitem__(i, (hidden, kw)))
+        self.inputs = [inputs[i] for i in range(self.num_layers)]
+        # What a full layer leaves for its readers (entries, index keys, Top-K) on the fit windows.
+        self.fit_peers = [SimpleNamespace(scratch=dict(m.scratch), indexer=m.indexer) for m in self.full_modules]
+        self.targets = source_attention_outputs(self.dense, fit)
+        self.parts: dict[tuple, Csa2WindowAttention] = {}
+        self.part_notes: dict[tuple, dict] = {}
+        self.evaluations = 0
+
+    # -- plans ------------------------------------------------------------------------------
+    def plan_specs(self, modes: list[str], sources: list[int | None] | None = None) -> list[dict]:
+        sources = default_sources(modes) if sources is None else sources
+        first = self.full_specs[0]
+        specs = csa2_layer_specs(self.full_specs, self.dense.config.attention_layers, modes, sources,
+                                 window=self.opts.window, top_k=self.opts.top_k, index_heads=first["index_heads"],
+                                 index_head_dim=first["index_head_dim"], index_rope_pairs=first["index_rope_pairs"],
+                                 sinks=self.kwargs.get("sinks"))
+        return validate_csa2_sources(specs)
+
+    def modes(self, full_layers: Iterable[int]) -> list[str]:
+        return plan_modes(self.num_layers, full_layers, self.other_mode)
+
+    def kv_elements_per_token(self, full_layers: Iterable[int], context: int) -> float:
+        """Cache elements per token after a ``context``-token prefill (from the config)."""
+        specs = self.plan_specs(self.modes(full_layers))
+        config = Csa2Config.from_base_config(self.dense.config.to_base_config(), specs)
+        return config_kv_elements_at_context(config, context) / context
+
+    # -- parts ------------------------------------------------------------------------------
+    def part(self, i: int, specs: list[dict]) -> Csa2WindowAttention:
+        """Layer ``i`` of a plan as a fitted window layer (cached per mode and source)."""
+        spec = specs[i]
+        key = (i, spec["mode"], spec.get("source"))
+        if key not in self.parts:
+            entries = specs[spec["entries"]] if "entries" in spec else None
+            dense = self.dense_modules[i]
+            attn = Csa2WindowAttention(dense, self.model.config, i, spec, entries)
+            attn.o_proj = copy.deepcopy(attn.o_proj)  # refit per part; q/k/v stay shared with the dense layer
+            if attn.sinks is not None and dense.sinks is not None:
+                attn.sinks.data.copy_(dense.sinks.data)
+            attn.peers = self.fit_peers
+            hidden, kwargs = self.inputs[i]
+            self.part_notes[key] = fit_csa2_layer(attn, dense, hidden, kwargs, self.targets[i], self.opts)
+            self.parts[key] = attn.eval()
+        return self.parts[key]
+
+    def install(self, full_layers: Iterable[int]) -> list[str]:
+        """Make the bank model the plan with these full layers (in place); returns its modes."""
+        modes = self.modes(full_layers)
+        specs = self.plan_specs(modes)
+        layers = decoder_layers(self.model)
+        for i, layer in enumerate(layers):
+            layer.self_attn = self.full_modules[i] if modes[i] == "full" else self.part(i, specs)
+        self.model.config.attention_layers = specs
+        peers = [layer.self_attn for layer in layers]
+        for attn in peers:
+            if isinstance(attn, Csa2WindowAttention):
+                attn.peers = peers
+        return modes
+
+    @torch.no_grad()
+    def calib_ppl(self, full_layers: Iterable[int]) -> float:
+        self.install(full_layers)
+        self.evaluations += 1
+        return mean_nll(self.model, self.score)["ppl"]
+
+
+def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict, *, kv_budget: float, context: int,
+                other_mode: str = "reuse", refresh: int = 4, log: Callable[[str], None] = print) -> PlanSearchResult:
+    """Greedy plan search (module docstring) down to ``kv_budget`` elements per token at
+    ``context`` tokens. Also scores the uniform plan with as many full layers as the chosen one."""
+    from .csa2 import dense_layer_specs
+
+    dense_specs = dense_layer_specs(model)
+    n = len(dense_specs)
+    base = model.config.to_base_config() if hasattr(model.config, "to_base_config") else model.config
+    source_kv = config_kv_elements_at_context(base, context) / context
+    swa_specs = csa2_layer_specs(dense_specs, dense_specs, ["swa"] * n, [None] * n, window=csa2_kwargs["window"],
+                                 top_k=csa2_kwargs["top_k"], index_heads=1, index_head_dim=1)
+    floor = config_kv_elements_at_context(Csa2Config.from_base_config(base, swa_specs), context) / context
+    if kv_budget < floor:
+        raise ValueError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan (every layer swa with "
+                         f"window {csa2_kwargs['window']}: {floor:.1f} at a {context}-token context)")
+    source_ppl = mean_nll(model, score)["ppl"]
+    bank = PlanBank(model, fit, score, csa2_kwargs, other_mode, log)
+
+    def evaluate(full: tuple[int, ...]) -> float:
+        ppl = bank.calib_ppl(full)
+        log(f"  full {list(full)}: calib ppl {ppl:.3f}, KV/token {bank.kv_elements_per_token(full, context):.1f}")
+        return ppl
+
+    path = greedy_demotion(range(n), evaluate, lambda full: bank.kv_elements_per_token(full, context) <= kv_budget,
+                           refresh=refresh)
+    points = [PlanPoint(list(f), bank.modes(f), bank.kv_elements_per_token(f, context), loss) for f, loss in path]
+    chosen = points[-1]
+    uniform = None
+    if chosen.full_layers:
+        layers = uniform_full_layers(n, len(chosen.full_layers))
+        uniform = PlanPoint(layers, bank.modes(layers), bank.kv_elements_per_token(layers, context), bank.calib_ppl(layers))
+    return PlanSearchResult(source_ppl=source_ppl, source_kv_elements_per_token=source_kv, context=context, budget=kv_budget,
+                            path=points, uniform=uniform, evaluations=bank.evaluations)
+
+
+def pareto_envelope(points: list[PlanPoint]) -> list[PlanPoint]:
+    """The best plan at or below each point's budget (more budget never scores worse)."""
+    out: list[PlanPoint] = []
+    for p in sorted(points, key=lambda p: p.kv_elements_per_token):
+        if not out or p.calib_ppl < out[-1].calib_ppl:
+            out.append(p)
+    return out
+
+
+def format_curve(result: PlanSearchResult) -> str:
+    """Markdown table of the search path (plus the uniform plan of the chosen size)."""
+    lines = [f"| plan | full layers | KV elements/token @{result.context} | KV ratio | calib ppl | ppl ratio |",
+             "|---|---|---:|---:|---:|---:|",
+             f"| source | all dense | {result.source_kv_elements_per_token:.1f} | 1.000 | {result.source_ppl:.3f} | 1.000 |"]
+    rows = [(f"step {k}", p) for k, p in enumerate(result.path)]
+    if result.uniform is not None:
+        rows.append(("uniform", result.uniform))
+    for name, p in rows:
+        full = ",".join(map(str, p.full_layers)) or "-"
+        lines.append(f"| {name} | {full} | {p.kv_elements_per_token:.1f} | "
+                     f"{p.kv_elements_per_token / result.source_kv_elements_per_token:.3f} | {p.calib_ppl:.3f} | "
+                     f"{p.calib_ppl / result.source_ppl:.3f} |")
+    return "\n".join(lines)
+
+
+__all__ = ["PlanBank", "PlanPoint", "PlanSearchResult", "format_curve", "greedy_demotion", "pareto_envelope",
+           "parse_kv_budget", "plan_modes", "search_plan", "uniform_full_layers"]

@@ -1,0 +1,163 @@
+"""CSA2 plan search: the lazy greedy (against the plain greedy and, for additive losses, the
+optimum), budget parsing, plans assembled in place by the bank (real, saveable models), and
+``hf-csa2 plan`` end to end on a tiny checkpoint."""
+
+import itertools
+
+import pytest
+import torch
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import VOCAB, save_tiny_source, tiny_model
+
+from hf_csa2.cli import main as cli_main
+from hf_csa2.surgery.csa2 import apply_csa2
+from hf_csa2.surgery.plan import ConversionPlan
+from hf_csa2.surgery.plan_search import (PlanBank, PlanPoint, greedy_demotion, pareto_envelope, parse_kv_budget,
+                                         plan_modes, search_plan, uniform_full_layers)
+from hf_csa2.surgery.rebuild import to_csa2
+
+CSA2_KW = dict(window=4, top_k=6, kv_lora_rank=8, num_rope_pairs=2, shared_rope_key=True, indexer_warmup_steps=2)
+
+
+def windows(n, length=40, seed=3):
+    return torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def plain_greedy(n, loss, stop_at):
+    full, path = tuple(range(n)), []
+    path.append((full, loss(full)))
+    while len(full) > stop_at:
+        best = min(full, key=lambda f: (loss(tuple(x for x in full if x != f)), -f))
+        full = tuple(x for x in full if x != best)
+        path.append((full, loss(full)))
+    return path
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.0, 10.0), min_size=2, max_size=9), st.data())
+def test_lazy_greedy_is_optimal_for_additive_losses(costs, data):
+    n = len(costs)
+    stop_at = data.draw(st.integers(0, n - 1))
+    refresh = data.draw(st.integers(1, n))
+
+    def loss(full):
+        return sum(c for i, c in enumerate(costs) if i not in full)
+
+    path = greedy_demotion(range(n), loss, lambda full: len(full) <= stop_at, refresh=refresh)
+    assert [len(f) for f, _ in path] == list(range(n, stop_at - 1, -1))
+    for full, value in path:  # each step's plan is the best subset of its size
+        best = min(loss(c) for c in itertools.combinations(range(n), len(full)))
+        assert value == pytest.approx(loss(full)) and value == pytest.approx(best)
+    assert all(a[1] <= b[1] + 1e-12 for a, b in zip(path, path[1:]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.1, 5.0), min_size=3, max_size=8), st.integers(0, 2))
+def test_lazy_greedy_with_full_refresh_is_the_plain_greedy(weights, stop_at):
+    """A loss where a demotion changes its neighbours' cost (layers read the nearest earlier
+    full layer): with refresh >= n the lazy search makes the plain greedy's choices."""
+    n = len(weights)
+
+    def loss(full):
+        total = 0.0
+        for i in range(n):
+            if i not in full:
+                earlier = [f for f in full if f < i]
+                total += weights[i] * ((i - earlier[-1]) ** 1.5 if earlier else 10.0)
+        return total
+
+    calls = []
+    path = greedy_demotion(range(n), lambda f: calls.append(f) or loss(f), lambda full: len(full) <= stop_at, refresh=n)
+    assert path == plain_greedy(n, loss, stop_at)
+    lazy_calls = []
+    greedy_demotion(range(n), lambda f: lazy_calls.append(f) or loss(f), lambda full: len(full) <= stop_at, refresh=1)
+    assert len(lazy_calls) <= len(calls)
+
+
+def test_budget_parsing_and_errors():
+    assert parse_kv_budget("960", 11520) == 960
+    assert parse_kv_budget("1/12", 11520) == pytest.approx(960)
+    assert parse_kv_budget("0.5", 100) == pytest.approx(50)
+    for bad in ("abc", "0", "-3", "1/0"):
+        with pytest.raises(ValueError, match="--kv-budget"):
+            parse_kv_budget(bad, 100)
+
+
+def test_plan_modes_and_uniform_layers():
+    assert plan_modes(5, [1, 3]) == ["swa", "full", "reuse", "full", "reuse"]
+    assert plan_modes(3, [], "reindex") == ["swa", "swa", "swa"]
+    assert uniform_full_layers(30, 3) == [0, 10, 20]
+    assert uniform_full_layers(7, 2) == [0, 3]
+
+
+def test_pareto_envelope_is_monotone():
+    pts = [PlanPoint([0], [], kv, ppl) for kv, ppl in [(10, 5.0), (20, 4.0), (30, 4.5), (40, 3.0)]]
+    env = pareto_envelope(pts)
+    assert [p.kv_elements_per_token for p in env] == [10, 20, 40]
+    assert all(a.calib_ppl > b.calib_ppl for a, b in zip(env, env[1:]))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_an_installed_plan_is_a_real_model(arch):
+    """The bank's in-place plan has a consistent config and state: rebuilt from them it gives
+    the same logits, and its all-full plan is the all-full conversion."""
+    torch.manual_seed(0)
+    src = tiny_model(arch, num_layers=5)
+    kw = dict(CSA2_KW, shared_rope_key=arch != "qwen3")
+    fit, score = windows(6), windows(2, seed=4)
+    bank = PlanBank(src, fit, score, kw)
+    ids = windows(1, 33, seed=5)
+    with torch.no_grad():
+        reference = apply_csa2(src, ["full"] * 5, windows=fit, **kw)
+        bank.install(range(5))
+        assert torch.allclose(bank.model(ids).logits, reference(ids).logits, atol=1e-5)
+        modes = bank.install([1, 3])
+        assert modes == ["swa", "full", "reuse", "full", "reuse"]
+        rebuilt = to_csa2(bank.model, bank.model.config.attention_layers, bank.model.state_dict())
+        assert [s["mode"] for s in rebuilt.config.attention_layers] == modes
+        assert torch.allclose(bank.model(ids).logits, rebuilt(ids).logits, atol=1e-5)
+    assert (3, "reuse", 1) not in bank.parts and (2, "reuse", 1) in bank.parts and (4, "reuse", 3) in bank.parts
+
+
+def test_search_walks_down_to_the_budget():
+    torch.manual_seed(0)
+    src = tiny_model("llama", num_layers=5)
+    bank_kw = dict(CSA2_KW)
+    probe = PlanBank(src, windows(4), windows(2, seed=4), bank_kw)
+    budget = probe.kv_elements_per_token([0, 2], 64)
+    res = search_plan(src, windows(4), windows(2, seed=4), bank_kw, kv_budget=budget, context=64, log=lambda m: None)
+    kv = [p.kv_elements_per_token for p in res.path]
+    assert [len(p.full_layers) for p in res.path] == [5, 4, 3, 2]
+    assert all(a > b for a, b in zip(kv, kv[1:])) and kv[-1] <= budget < kv[-2]
+    assert res.uniform is not None and res.uniform.full_layers == [0, 2]
+    assert res.chosen.modes == plan_modes(5, res.chosen.full_layers)
+    with pytest.raises(ValueError, match="below the cheapest plan"):
+        search_plan(src, windows(4), windows(2, seed=4), bank_kw, kv_budget=1.0, context=64, log=lambda m: None)
+
+
+def test_plan_cli_writes_a_plan_that_converts(tmp_path, capsys):
+    save_tiny_source("llama", tmp_path / "src", num_layers=4)
+    text = " ".join(f"Record {i}: sensor {i % 17} reported value {i * 13 % 97} at step {i}." for i in range(400))
+    (tmp_path / "calib.txt").write_text(text)
+    base = {"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "csa2": {"full_every": 2, "window": 4, "top_k": 8,
+                                                                      "indexer_warmup_steps": 2},
+            "calibration": {"text": str(tmp_path / "calib.txt"), "num_tokens": 192, "seq_len": 48, "eval_windows": 2}}
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
+    out = tmp_path / "chosen.yaml"
+    args = ["plan", str(tmp_path / "src"), "--kv-budget", "1/3", "--plan", str(tmp_path / "base.yaml"),
+            "--out", str(out), "--context", "64"]
+    assert cli_main(args) == 0
+    table = capsys.readouterr().out
+    assert "| step 0 |" in table and "| uniform |" in table
+    text = out.read_text()
+    assert text.startswith("# CSA2 layer plan chosen by: hf-csa2 plan")
+    plan = ConversionPlan.from_yaml(out)
+    assert plan.csa2.full_every is None and len(plan.csa2.layers) == 4 and plan.csa2.window == 4
+    assert cli_main(["convert", str(tmp_path / "src"), "--plan", str(out), "--out", str(tmp_path / "conv")]) == 0
+    # bad input: named before any work
+    assert cli_main(args) == 2  # --out exists
+    assert "exists" in capsys.readouterr().err
+    assert cli_main(args[:3] + ["lots"] + args[4:-4] + ["--out", str(tmp_path / "x.yaml")]) == 2
+    assert "--kv-budget 'lots'" in capsys.readouterr().err
