@@ -240,7 +240,8 @@ def _inspect(args) -> int:
         if "top_k" in s:
             kind += f" (top-{s['top_k']}, window {s['read_window']})"
         print(f"| {i} | {kind} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
-              f"{s['window'] or '-'} | {s['kv_elements_per_token']} |")
+              f"{s['window'] or '-'}{' + first ' + str(s['sink_tokens']) if s.get('sink_tokens') else ''} | "
+              f"{s['kv_elements_per_token']} |")
     print(f"KV elements per token: config {info['kv_elements_per_token_config']}, "
           f"measured from the live cache after a {info['measured_with_tokens']}-token prefill {info['kv_elements_per_token_measured']:.0f}")
     if args.context:

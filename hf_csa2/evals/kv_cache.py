@@ -62,13 +62,14 @@ def config_kv_elements_per_token(config) -> int:
 def config_kv_elements_at_context(config, num_tokens: int) -> int:
     """Cache elements held (all layers) after ``num_tokens`` tokens, from the config alone:
     a layer with a window keeps its last ``window - 1`` tokens (transformers' sliding cache
-    layers; the newest token joins at read time), every other layer keeps them all."""
+    layers; the newest token joins at read time) plus its first ``sink_tokens`` once they left
+    the window (CSA2 window layers), every other layer keeps them all."""
     d = _head_dim(config)
     arch = getattr(config, "base_model_type", None) or config.model_type
     qk_norm = arch in QK_NORM_MODEL_TYPES
     total = 0
     for spec in layer_attention_specs(config):
-        held = num_tokens if not spec["window"] else min(num_tokens, spec["window"] - 1)
+        held = num_tokens if not spec["window"] else min(num_tokens, spec["window"] - 1 + spec.get("sink_tokens", 0))
         total += held * layer_kv_elements_per_token(spec, d, qk_norm)
     return total
 

@@ -145,6 +145,12 @@ def _validate_csa2_layer(spec: dict, where: str, head_dim: int | None) -> set[st
                 f"filling at most index_head_dim={spec['index_head_dim']} dims (2 per pair)"
             )
         spec["index_rope_pairs"] = sorted(pairs)
+    if mode != "full":
+        # Exact keys/values of the first tokens, kept for good (StreamingLLM's attention sinks).
+        value = spec.setdefault("sink_tokens", 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{where}.sink_tokens={value!r} must be an integer >= 0")
+        keys.add("sink_tokens")
     if mode in ("reindex", "reuse"):
         source = spec.get("source")
         if not isinstance(source, int) or isinstance(source, bool) or source < 0:

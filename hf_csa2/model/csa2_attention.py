@@ -64,6 +64,76 @@ def cache_layer(cache, layer_idx: int, layer_type: type, **kwargs):
     return layer
 
 
+class DynamicSinkWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window cache layer that keeps the first ``sink_tokens`` tokens for good once
+    they leave the window (``sink_keys``/``sink_values`` ``[B, H, <=P, D]``; StreamingLLM's
+    attention sinks). Every token is held once: after ``n`` tokens it holds ``min(n, W-1+P)``."""
+
+    def __init__(self, sliding_window: int, sink_tokens: int, **kwargs):
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self.sink_tokens = sink_tokens
+        self.sink_keys = self.sink_values = None
+
+    def activate_past_recording(self):
+        raise NotImplementedError("DynamicSinkWindowLayer does not record past states (no assisted decoding)")
+
+    @property
+    def sinks_held(self) -> int:
+        return 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        ring = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        start = self.cumulative_length - ring  # position of the ring's first row
+        end = self.cumulative_length + key_states.shape[-2]
+        # Positions below `stop` are out of the ring after this update: keep the first ones.
+        stop = min(self.sink_tokens, max(end - self.sliding_window + 1, 0))
+        if stop > self.sinks_held:
+            lo, hi = self.sinks_held - start, stop - start
+            k = torch.cat([self.keys, key_states], dim=-2) if ring else key_states
+            v = torch.cat([self.values, value_states], dim=-2) if ring else value_states
+            new_k, new_v = k[:, :, lo:hi], v[:, :, lo:hi]
+            self.sink_keys = new_k if self.sink_keys is None else torch.cat([self.sink_keys, new_k], dim=-2)
+            self.sink_values = new_v if self.sink_values is None else torch.cat([self.sink_values, new_v], dim=-2)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _map_sinks(self, fn) -> None:
+        if self.sink_keys is not None:
+            self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_sinks(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_sinks(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_sinks(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        ring = self.keys.shape[-2] if self.keys is not None and self.keys.dim() == 4 else 0
+        first_in_ring = self.cumulative_length - ring
+        self._map_sinks(lambda t: t[:, :, :first_in_ring])
+
+    def reset(self) -> None:
+        self.sink_keys = self.sink_values = None
+        super().reset()
+
+    def offload(self):
+        super().offload()
+        self._map_sinks(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        super().prefetch()
+        if self.is_initialized:
+            self._map_sinks(lambda t: t.to(self.device, non_blocking=True))
+
+
 def _reject_softcap(module: nn.Module, spec: dict) -> None:
     if getattr(module, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"kind=csa2 mode={spec['mode']!r}: attention logit soft-capping is not supported by the sparse read")
@@ -191,6 +261,7 @@ class Csa2WindowAttention(Csa2Attention):
         _reject_softcap(source, spec)
         super().__init__(source, config, layer_idx, spec)
         self.mode, self.window = spec["mode"], spec["window"]
+        self.sink_tokens = spec.get("sink_tokens", 0)
         dtype = source.q_proj.weight.dtype
         self.reader = None if self.mode == "swa" else EntryReader(
             entries_spec, self.num_heads, self.num_key_value_heads, self.head_dim, dtype)
@@ -210,10 +281,11 @@ class Csa2WindowAttention(Csa2Attention):
         if self.mode == "reindex":
             full = self.peers[self.spec["entries"]].scratch
             iq, iw = self.indexer.queries(hidden_states, full["position_embeddings"])
-            return self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window)
+            top = self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window)
+            return top.masked_fill(top < self.sink_tokens, -1)  # held exactly in the own segment
         top = self.peers[self.spec["source"]].scratch["top_k"]
         inside = top > positions[None, :, None] - self.window
-        return top.masked_fill(inside, -1)
+        return top.masked_fill(inside | (top < self.sink_tokens), -1)
 
     def attention_output(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
@@ -241,13 +313,25 @@ class Csa2WindowAttention(Csa2Attention):
         cos, sin = position_embeddings
         q = q_plain * cos[:, None] + rotate_half(q_plain) * sin[:, None]
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
-        total = t
+        total, sink_k, sink_v = t, k[:, :, : self.sink_tokens], v[:, :, : self.sink_tokens]
         if cache is not None:
-            layer = cache_layer(cache, self.layer_idx, DynamicSlidingWindowLayer, sliding_window=self.window)
+            if self.sink_tokens:
+                layer = cache_layer(cache, self.layer_idx, DynamicSinkWindowLayer, sliding_window=self.window,
+                                    sink_tokens=self.sink_tokens)
+            else:
+                layer = cache_layer(cache, self.layer_idx, DynamicSlidingWindowLayer, sliding_window=self.window)
             k, v = cache.update(k, v, self.layer_idx)
             total = layer.get_seq_length()
+            if self.sink_tokens:
+                sink_k, sink_v = (k[:, :, :0], v[:, :, :0]) if layer.sink_keys is None else (layer.sink_keys, layer.sink_values)
         positions = torch.arange(total - t, total, device=hidden_states.device)
         own = window_index(positions, self.window, first_position=total - k.shape[2]).expand(b, -1, -1)
+        if self.sink_tokens:
+            # The first tokens, once they have left the window: rows 0..P-1 of [sinks; window].
+            first = torch.arange(sink_k.shape[2], device=own.device)
+            sink_index = torch.where(first[None, :] <= positions[:, None] - self.window, first[None, :], -1)
+            own = torch.cat([sink_index.expand(b, -1, -1), own.masked_fill(own < 0, -1 - sink_k.shape[2]) + sink_k.shape[2]], -1)
+            k, v = torch.cat([sink_k, k], dim=2), torch.cat([sink_v, v], dim=2)
         segments = [SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), own)]
         v_up = None
         if self.reader is not None:
@@ -263,4 +347,4 @@ class Csa2WindowAttention(Csa2Attention):
         return torch.arange(self.num_heads, device=self.q_proj.weight.device) // self.num_key_value_groups
 
 
-__all__ = ["Csa2FullAttention", "Csa2WindowAttention", "EntryReader", "cache_layer"]
+__all__ = ["Csa2FullAttention", "Csa2WindowAttention", "DynamicSinkWindowLayer", "EntryReader", "cache_layer"]

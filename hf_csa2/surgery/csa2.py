@@ -33,12 +33,14 @@ def csa2_layer_specs(
     index_head_dim: int,
     index_rope_pairs: list[int] | None = None,
     sinks: bool | None = None,
+    sink_tokens: int = 0,
 ) -> list[dict]:
     """Per-layer ``kind: csa2`` specs.
 
     mla_specs: the MLA spec of each layer (used by ``full`` layers); dense_specs: the dense spec
     of each layer (``num_key_value_heads``/``sinks`` of the window); modes/sources: the layer plan
-    (source = None for full/swa). ``sinks=None`` keeps each layer's own setting.
+    (source = None for full/swa). ``sinks=None`` keeps each layer's own setting. Non-full layers
+    keep the first ``sink_tokens`` tokens exactly besides their window.
     """
     n = len(modes)
     if not (len(mla_specs) == len(dense_specs) == len(sources) == n):
@@ -55,6 +57,8 @@ def csa2_layer_specs(
             spec.update(kv_lora_rank=base["kv_lora_rank"], rope_pairs=base["rope_pairs"],
                         latent_norm=base.get("latent_norm", False), index_head_dim=index_head_dim,
                         index_rope_pairs=list(index_rope_pairs or []))
+        else:
+            spec["sink_tokens"] = sink_tokens
         if mode in ("full", "reindex"):
             spec.update(top_k=top_k, index_heads=index_heads)
         if mode in ("reindex", "reuse"):
@@ -310,7 +314,7 @@ def _train_indexer(indexer, src, hidden, pe, keys, opts: Csa2FitOptions) -> dict
 
 def build_csa2_skeleton(dense, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
                         windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
-                        sinks: bool | None = None, mla_options: dict | None = None) -> Csa2ForCausalLM:
+                        sinks: bool | None = None, sink_tokens: int = 0, mla_options: dict | None = None) -> Csa2ForCausalLM:
     """The CSA2 model of ``modes`` before its readers/indexers are fitted: full layers in MLA
     form (:func:`apply_mla` on those layers only, fitted on ``windows`` [N, T]), every other
     layer with the dense layer's own projections. ``dense``: an hf_csa2 model with dense layers."""
@@ -332,7 +336,7 @@ def build_csa2_skeleton(dense, modes: list[str], *, window: int, top_k: int, kv_
     index_heads = hq // (groups.pop() if groups else 1)
     specs = csa2_layer_specs(mla.config.attention_layers, dense.config.attention_layers, modes, sources,
                              window=window, top_k=top_k, index_heads=index_heads, index_head_dim=d,
-                             index_rope_pairs=list(range(d // 2)), sinks=sinks)
+                             index_rope_pairs=list(range(d // 2)), sinks=sinks, sink_tokens=sink_tokens)
     return to_csa2(mla, specs)
 
 
@@ -344,8 +348,8 @@ def as_dense_csa2(model):
 @torch.no_grad()
 def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
                windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
-               sinks: bool | None = None, ridge: float = 1e-3, refit_output: bool = True, mla_options: dict | None = None,
-               indexer_warmup_steps: int = 0, calibrate_mass: bool = True):
+               sinks: bool | None = None, sink_tokens: int = 0, ridge: float = 1e-3, refit_output: bool = True,
+               mla_options: dict | None = None, indexer_warmup_steps: int = 0, calibrate_mass: bool = True):
     """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
 
     Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
@@ -353,7 +357,8 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     from the KV group with the most attention mass beyond the window. Reindex layers start
     with their source's index query (they select like it until trained). Reindex/reuse
     readers: least squares to the layer's own keys/values (:func:`fit_entry_reader`); then
-    ``o_proj`` refit to the source layer's output. All fits (:func:`fit_csa2_layer`) run layer
+    ``o_proj`` refit to the source layer's output. Non-full layers keep the first
+    ``sink_tokens`` tokens exactly (StreamingLLM's attention sinks). All fits (:func:`fit_csa2_layer`) run layer
     by layer on the converted model's own activations over the calibration ``windows`` [N, T].
     With ``indexer_warmup_steps`` the indexers of full and reindex layers are trained to the
     dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`). With
@@ -367,7 +372,8 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     dense = as_dense_csa2(model)
     new = build_csa2_skeleton(dense, modes, window=window, top_k=top_k, kv_lora_rank=kv_lora_rank,
                               num_rope_pairs=num_rope_pairs, windows=windows, sources=sources,
-                              shared_rope_key=shared_rope_key, sinks=sinks, mla_options=mla_options)
+                              shared_rope_key=shared_rope_key, sinks=sinks, sink_tokens=sink_tokens,
+                              mla_options=mla_options)
     opts = Csa2FitOptions(window=window, top_k=top_k, ridge=ridge, refit_output=refit_output,
                           indexer_warmup_steps=indexer_warmup_steps, calibrate_mass=calibrate_mass)
     dense_layers = decoder_layers(dense)

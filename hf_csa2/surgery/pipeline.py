@@ -130,7 +130,7 @@ def csa2_arguments(plan: ConversionPlan) -> dict:
     c, mla = plan.csa2, plan.mla
     return dict(
         window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank, num_rope_pairs=mla.qk_rope_head_dim // 2,
-        shared_rope_key=mla.rope_key == "shared", sinks=c.sinks, ridge=c.reader_ridge, refit_output=c.refit_output,
+        shared_rope_key=mla.rope_key == "shared", sinks=c.sinks, sink_tokens=c.sink_tokens, ridge=c.reader_ridge, refit_output=c.refit_output,
         indexer_warmup_steps=c.indexer_warmup_steps,
         mla_options=dict(rope_criterion=mla.rope_criterion, factorisation=mla.init, refit_output=mla.refit_output,
                          ridge=mla.ridge, latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,

@@ -86,6 +86,7 @@ class Csa2Plan:
     window: int = 128
     top_k: int = 256
     sinks: bool | None = None  # None: keep each layer's own (e.g. from the sinks stage)
+    sink_tokens: int = 0  # non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)
     reader_ridge: float = 1e-3  # reader least squares, relative to mean diag(C^T C)
     refit_output: bool = True  # o_proj of reindex/reuse/swa layers refit to the source's attention output
     indexer_warmup_steps: int = 100  # KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)
@@ -242,6 +243,8 @@ class ConversionPlan:
                 f"calibration.seq_len={self.calibration.seq_len} must exceed csa2.window={c.window}: readers, entry "
                 f"biases and indexers are fitted on positions older than the window; allowed: seq_len > {c.window}"
             )
+        if not isinstance(c.sink_tokens, int) or isinstance(c.sink_tokens, bool) or c.sink_tokens < 0:
+            raise PlanError(f"csa2.sink_tokens={c.sink_tokens!r}; allowed: an integer >= 0")
         steps = c.indexer_warmup_steps
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise PlanError(f"csa2.indexer_warmup_steps={steps!r}; allowed: an integer >= 0")

@@ -160,7 +160,7 @@ class PlanBank:
         specs = csa2_layer_specs(self.full_specs, self.dense.config.attention_layers, modes, sources,
                                  window=self.opts.window, top_k=self.opts.top_k, index_heads=first["index_heads"],
                                  index_head_dim=first["index_head_dim"], index_rope_pairs=first["index_rope_pairs"],
-                                 sinks=self.kwargs.get("sinks"))
+                                 sinks=self.kwargs.get("sinks"), sink_tokens=self.kwargs.get("sink_tokens", 0))
         return validate_csa2_sources(specs)
 
     def modes(self, full_layers: Iterable[int]) -> list[str]:
@@ -222,7 +222,8 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict
     base = model.config.to_base_config() if hasattr(model.config, "to_base_config") else model.config
     source_kv = config_kv_elements_at_context(base, context) / context
     swa_specs = csa2_layer_specs(dense_specs, dense_specs, ["swa"] * n, [None] * n, window=csa2_kwargs["window"],
-                                 top_k=csa2_kwargs["top_k"], index_heads=1, index_head_dim=1)
+                                 top_k=csa2_kwargs["top_k"], index_heads=1, index_head_dim=1,
+                                 sink_tokens=csa2_kwargs.get("sink_tokens", 0))
     floor = config_kv_elements_at_context(Csa2Config.from_base_config(base, swa_specs), context) / context
     if kv_budget < floor:
         raise ValueError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan (every layer swa with "

@@ -31,7 +31,7 @@ def calib(seed=1):
     return torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(seed))
 
 
-def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0):
+def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, sink_tokens=0):
     """Tiny source -> MLA (1/2-ish rank, 2 rope pairs) -> CSA2 with the given plan; indexers,
     readers and sinks randomised so that every term of every read is exercised."""
     src = tiny_model(arch, num_layers=len(modes))
@@ -39,6 +39,7 @@ def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0):
     specs = csa2_layer_specs(
         mla.config.attention_layers, dense_layer_specs(src), modes, sources,
         window=window, top_k=top_k, index_heads=2, index_head_dim=8, index_rope_pairs=[0, 1], sinks=sinks,
+        sink_tokens=sink_tokens,
     )
     model = assemble_csa2(src, mla, specs)
     model.config._attn_implementation = "eager"
@@ -106,8 +107,45 @@ def test_prefill_chunked_prefill_and_decode_agree_for_every_mode(arch):
     assert kinds == ["DynamicIndexedLayer"] + ["DynamicSlidingWindowLayer"] * 4
 
 
-def test_beam_search_and_greedy_generation_are_consistent_with_the_forward():
-    model, _, _ = csa2_model("llama", *MIXED_PLAN)
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_sink_tokens_keep_prefill_chunked_prefill_and_decode_consistent(arch):
+    """Window layers that also keep the first 2 tokens: same logits for every chunk schedule,
+    and the live cache holds the window ring plus the sink tokens once they left the window."""
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, sink_tokens=2)
+    x = ids(length=17)
+    with torch.no_grad():
+        full = model(x).logits
+        for chunks in ([17], [5, 1, 6, 5], [1] * 17, [2, 1, 14]):
+            got, cache = incremental_logits(model, x, chunks)
+            assert (got - full).abs().max() <= 1e-4, chunks
+        assert [type(layer).__name__ for layer in cache.layers][1:] == ["DynamicSinkWindowLayer"] * 4
+        assert cache.layers[1].sink_keys.shape[-2] == 2 and cache.layers[1].keys.shape[-2] == 2  # P and W-1
+        for n in (1, 3, 4, 9):
+            cache = model(ids(batch=1, length=n), use_cache=True).cache
+            assert live_cache_elements(cache) == config_kv_elements_at_context(model.config, n)
+        without, _, _ = csa2_model(arch, *MIXED_PLAN, sink_tokens=0)
+        assert (without(x).logits - full).abs().max() > 1e-3  # the sink tokens are really read
+
+
+def test_swa_with_sink_tokens_is_streaming_attention():
+    """swa with window W and P sink tokens = dense attention masked to the last W tokens plus
+    the first P (StreamingLLM), computed by the source model with an explicit mask."""
+    src = tiny_model("llama", num_layers=2)
+    src.config._attn_implementation = "eager"
+    specs = csa2_layer_specs(dense_layer_specs(src), dense_layer_specs(src), ["swa", "swa"], [None, None],
+                             window=4, top_k=1, index_heads=1, index_head_dim=2, sink_tokens=3)
+    model = assemble_csa2(src, src, specs).eval()
+    x = ids(length=21)
+    i = torch.arange(21)
+    allow = (i[None, :] <= i[:, None]) & ((i[:, None] - i[None, :] < 4) | (i[None, :] < 3))
+    mask = torch.zeros(21, 21).masked_fill(~allow, float("-inf"))[None, None].expand(2, 1, -1, -1)
+    with torch.no_grad():
+        assert (model(x).logits - src(x, attention_mask=mask).logits).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("sink_tokens", [0, 2])
+def test_beam_search_and_greedy_generation_are_consistent_with_the_forward(sink_tokens):
+    model, _, _ = csa2_model("llama", *MIXED_PLAN, sink_tokens=sink_tokens)
     x = ids(batch=1, length=9)
     with torch.no_grad():
         gen = model.generate(x, max_new_tokens=8, do_sample=False)
