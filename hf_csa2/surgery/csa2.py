@@ -199,6 +199,40 @@ def calibrate_entry_mass(attn: Csa2WindowAttention, source_attn, hidden: torch.T
             "entry_share_target": float(target[rows].mean())}
 
 
+ENTRY_BIAS_OFFSETS = (-30.0, -8.0, -6.0, -4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0)
+
+
+@torch.no_grad()
+def refine_entry_bias(attn: Csa2WindowAttention, source_attn, hidden: torch.Tensor, position_embeddings,
+                      offsets: tuple[float, ...] = ENTRY_BIAS_OFFSETS) -> dict[str, float]:
+    """Move each head's entry ``logit_bias`` (from :func:`calibrate_entry_mass`) by the offset
+    that minimises that head's read-out error against the dense layer (before ``o_proj``).
+
+    The share criterion trusts the readers; when a reader's values are poor, the head is
+    better off reading its entries less (down to not at all: -30). Each head has its own
+    softmax, so the per-head choice is exact on the calibration data. Returns the mean chosen
+    offset, the fraction of heads switched off and the read-out error before/after.
+    """
+    reader = attn.reader
+    start = reader.logit_bias.clone()
+    dense, _ = source_attn.attention_output(hidden, position_embeddings)
+    hq = start.shape[0]
+    dense = dense.reshape(*dense.shape[:-1], hq, -1).double()
+    errors = []
+    for off in offsets:
+        reader.logit_bias.copy_(start + off)
+        out, _ = attn.attention_output(hidden, position_embeddings)
+        errors.append((out.reshape(dense.shape).double() - dense).pow(2).sum(dim=(0, 1, 3)))
+    errors = torch.stack(errors)  # [offsets, HQ]
+    best = errors.argmin(0)
+    chosen = torch.tensor(offsets, dtype=start.dtype)[best]
+    reader.logit_bias.copy_(start + chosen)
+    norm = dense.pow(2).sum().clamp_min(1e-30)
+    at_zero = errors[offsets.index(0.0)].sum() if 0.0 in offsets else float("nan")
+    return {"entry_bias_offset": float(chosen.mean()), "entry_heads_off": float((chosen <= -30).float().mean()),
+            "readout_rel_err_share": float(at_zero / norm), "readout_rel_err": float(errors.min(0).values.sum() / norm)}
+
+
 @torch.no_grad()
 def far_attention_mass(source_attn, hidden: torch.Tensor, position_embeddings, window: int) -> torch.Tensor:
     """Mean attention mass per KV group [H] that a dense layer puts on positions older than ``window``."""
@@ -259,6 +293,7 @@ class Csa2FitOptions:
     refit_output: bool = True
     indexer_warmup_steps: int = 0
     calibrate_mass: bool = True
+    refine_bias: bool = False
 
 
 @torch.no_grad()
@@ -293,6 +328,8 @@ def fit_csa2_layer(attn, src, hidden: torch.Tensor, attn_kwargs: dict, target: t
         notes.update(fit_entry_reader(attn, hidden, opts.ridge))
         if opts.calibrate_mass:
             notes.update(calibrate_entry_mass(attn, src, hidden, pe))
+        if opts.refine_bias:
+            notes.update(refine_entry_bias(attn, src, hidden, pe))
     if opts.refit_output:
         notes.update(refit_output_projection(attn, hidden, attn_kwargs, target))
     return notes
@@ -349,7 +386,8 @@ def as_dense_csa2(model):
 def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
                windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
                sinks: bool | None = None, sink_tokens: int = 0, ridge: float = 1e-3, refit_output: bool = True,
-               mla_options: dict | None = None, indexer_warmup_steps: int = 0, calibrate_mass: bool = True):
+               mla_options: dict | None = None, indexer_warmup_steps: int = 0, calibrate_mass: bool = True,
+               refine_bias: bool = False):
     """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
 
     Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
@@ -363,8 +401,9 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     With ``indexer_warmup_steps`` the indexers of full and reindex layers are trained to the
     dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`). With
     ``calibrate_mass`` each reader's per-head logit bias is set so the entries get the share
-    of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`).
-    The returned model carries ``fit_notes`` (one dict per layer).
+    of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`);
+    with ``refine_bias`` each head's bias then moves to minimise its read-out error
+    (:func:`refine_entry_bias`). The returned model carries ``fit_notes`` (one dict per layer).
     """
     from .calibration import decoder_layers
     from .layerwise import calibrate_layerwise, source_attention_outputs
@@ -375,7 +414,8 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
                               shared_rope_key=shared_rope_key, sinks=sinks, sink_tokens=sink_tokens,
                               mla_options=mla_options)
     opts = Csa2FitOptions(window=window, top_k=top_k, ridge=ridge, refit_output=refit_output,
-                          indexer_warmup_steps=indexer_warmup_steps, calibrate_mass=calibrate_mass)
+                          indexer_warmup_steps=indexer_warmup_steps, calibrate_mass=calibrate_mass,
+                          refine_bias=refine_bias)
     dense_layers = decoder_layers(dense)
     targets = source_attention_outputs(dense, windows)
 
@@ -387,4 +427,4 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
 
 __all__ = ["Csa2FitOptions", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",
            "csa2_layer_specs", "default_sources", "dense_layer_specs", "far_attention_mass", "fit_csa2_layer",
-           "fit_entry_reader", "init_indexer_from_attention", "ridge_solve"]
+           "fit_entry_reader", "refine_entry_bias", "init_indexer_from_attention", "ridge_solve"]

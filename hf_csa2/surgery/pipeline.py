@@ -131,7 +131,7 @@ def csa2_arguments(plan: ConversionPlan) -> dict:
     return dict(
         window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank, num_rope_pairs=mla.qk_rope_head_dim // 2,
         shared_rope_key=mla.rope_key == "shared", sinks=c.sinks, sink_tokens=c.sink_tokens, ridge=c.reader_ridge, refit_output=c.refit_output,
-        indexer_warmup_steps=c.indexer_warmup_steps,
+        indexer_warmup_steps=c.indexer_warmup_steps, refine_bias=c.refine_entry_bias,
         mla_options=dict(rope_criterion=mla.rope_criterion, factorisation=mla.init, refit_output=mla.refit_output,
                          ridge=mla.ridge, latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
                          averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms),
@@ -155,7 +155,8 @@ def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) ->
         notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in refits) / len(refits)
     notes["index_groups"] = [f["index_group"] for f in new.fit_notes if "index_group" in f]
     for key in ("top_k_recall_init", "top_k_recall", "index_kl_before", "index_kl_after",
-                "entry_share_before", "entry_share_after", "entry_share_target"):
+                "entry_share_before", "entry_share_after", "entry_share_target", "entry_bias_offset", "entry_heads_off",
+                "readout_rel_err_share", "readout_rel_err"):
         values = [f[key] for f in new.fit_notes if key in f]
         if values:
             notes[key] = sum(values) / len(values)

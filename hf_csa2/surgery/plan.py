@@ -87,6 +87,7 @@ class Csa2Plan:
     top_k: int = 256
     sinks: bool | None = None  # None: keep each layer's own (e.g. from the sinks stage)
     sink_tokens: int = 0  # non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)
+    refine_entry_bias: bool = False  # move each head's entry bias to minimise its read-out error (down to off)
     reader_ridge: float = 1e-3  # reader least squares, relative to mean diag(C^T C)
     refit_output: bool = True  # o_proj of reindex/reuse/swa layers refit to the source's attention output
     indexer_warmup_steps: int = 100  # KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)

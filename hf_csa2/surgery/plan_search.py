@@ -137,7 +137,8 @@ class PlanBank:
         self.other_mode, self.score, self.kwargs = other_mode, score, dict(csa2_kwargs)
         self.opts = Csa2FitOptions(window=self.kwargs["window"], top_k=self.kwargs["top_k"],
                                    ridge=self.kwargs.get("ridge", 1e-3), refit_output=self.kwargs.get("refit_output", True),
-                                   indexer_warmup_steps=self.kwargs.get("indexer_warmup_steps", 0))
+                                   indexer_warmup_steps=self.kwargs.get("indexer_warmup_steps", 0),
+                                   refine_bias=self.kwargs.get("refine_bias", False))
         log(f"plan search: fitting the all-full model ({self.num_layers} layers)")
         self.model = apply_csa2(self.dense, ["full"] * self.num_layers, windows=fit, **self.kwargs)
         self.full_specs = [dict(s) for s in self.model.config.attention_layers]

@@ -87,6 +87,25 @@ def test_reader_fit_is_exact_when_the_keys_are_a_linear_function_of_the_entries(
     assert latent.shape[-1] == full.kv_lora_rank
 
 
+def test_refined_entry_bias_never_reads_out_worse_and_switches_off_useless_readers():
+    src, model = convert_tiny("llama", modes=["full", "reuse", "reuse"], refine_bias=True, sink_tokens=2)
+    for note in model.fit_notes[1:]:
+        assert note["readout_rel_err"] <= note["readout_rel_err_share"] + 1e-12
+    # a reader whose values are noise: every head is better off not reading the entries
+    from hf_csa2.surgery.csa2 import as_dense_csa2, refine_entry_bias
+
+    reuse, dense = model.model.layers[2].self_attn, as_dense_csa2(src).model.layers[2].self_attn
+    hidden = torch.randn(2, 40, 48, generator=torch.Generator().manual_seed(5))
+    pe = model.model.rotary_emb(hidden, torch.arange(40)[None].expand(2, -1))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.attention_output(hidden, pe)  # entries of this batch
+        w = reuse.reader.kv_b_proj.weight.view(reuse.num_key_value_heads, 2, reuse.head_dim, -1)  # [H, K|V, D, r]
+        w[:, 1].normal_(0, 50.0, generator=torch.Generator().manual_seed(6))  # values: noise; keys kept
+        reuse.reader.logit_bias.fill_(3.0)  # entries carry most of the attention
+        notes = refine_entry_bias(reuse, dense, hidden, pe)
+    assert notes["entry_heads_off"] == 1.0 and notes["readout_rel_err"] < notes["readout_rel_err_share"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch, capsys):
     save_tiny_source(arch, tmp_path / "src", num_layers=5)
