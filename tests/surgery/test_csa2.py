@@ -9,6 +9,7 @@ from remote_code import assert_reloads_without_hf_csa2
 from tiny_models import ARCHS, VOCAB, save_tiny_source, tiny_model
 
 from hf_csa2.cli import main as cli_main
+from hf_csa2.evals.round_trip import round_trip
 from hf_csa2.model import Csa2FullAttention, Csa2WindowAttention
 from hf_csa2.surgery.csa2 import apply_csa2, default_sources, fit_entry_reader, ridge_solve
 from hf_csa2.surgery.pipeline import convert
@@ -124,6 +125,9 @@ def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch, capsys):
     assert [s["mode"] for s in cfg["attention_layers"]] == MODES
     with torch.no_grad():
         assert_reloads_without_hf_csa2(result.model, torch.randint(4, 100, (1, 11)), tmp_path)
+    if arch == "llama":  # the saved folder itself, as `python -m hf_csa2.evals.round_trip DIR` checks it
+        checked = round_trip(str(tmp_path / "out"), torch.randint(4, 100, (1, 30)))
+        assert checked["max_abs_logit_diff"] <= 1e-5 and checked["same_greedy"]
     capsys.readouterr()
     assert cli_main(["inspect", str(tmp_path / "out"), "--context", "40", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
