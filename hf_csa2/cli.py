@@ -270,8 +270,9 @@ def _plan(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise PlanError(f"--out {str(out)!r} exists; pass --overwrite to replace it")
-    if args.context < 1 or args.refresh < 1:
-        raise PlanError(f"--context {args.context} / --refresh {args.refresh}; allowed: integers >= 1")
+    for name in ("context", "refresh", "part_windows"):
+        if getattr(args, name) < 1:
+            raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)}; allowed: an integer >= 1")
     base = ConversionPlan.from_yaml(args.plan)
     if base.csa2 is None:
         raise PlanError(f"--plan {args.plan!r} has no csa2 section; the search keeps its window, top_k, reader and "
@@ -289,7 +290,8 @@ def _plan(args) -> int:
     prepared = prepare_source(args.source, base, _log)
     try:
         result = search_plan(prepared.model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
-                             kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh, log=_log)
+                             kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
+                             part_windows=args.part_windows, log=_log)
     except ValueError as err:
         raise PlanError(str(err)) from err
     table = format_curve(result)
@@ -406,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="plan YAML to write")
     p.add_argument("--context", type=int, default=8192, help="context length at which the KV budget is counted")
     p.add_argument("--refresh", type=int, default=4, help="stale candidates re-scored per greedy step")
+    p.add_argument("--part-windows", type=int, default=4,
+                   help="calibration windows each per-layer part (reader, bias, o_proj) is fitted on during the search")
     p.add_argument("--json", help="also write the trade-off curve as JSON")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_plan)

@@ -100,23 +100,28 @@ def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]],
     """Demote full layers one at a time until ``fits(full_layers)``.
 
     ``evaluate(full_layers) -> loss`` scores a plan. Each step scores the candidates named in
-    the module docstring and demotes the one with the lowest loss (ties: the later layer).
+    the module docstring (stale ones ranked by the loss increase they caused when last scored)
+    and demotes the one with the lowest loss (ties: the later layer).
     Returns the path ``[(full_layers, loss), ...]``, all layers first.
     """
     full = tuple(sorted(layers))
-    path = [(full, evaluate(full))]
-    scores: dict[int, float] = {}  # loss after demoting this layer, when it was last scored
+    current = evaluate(full)
+    path = [(full, current)]
+    # Loss increase of demoting each layer, measured against the plan of the step that scored
+    # it: increases, unlike absolute losses, stay comparable from one step to the next.
+    increase: dict[int, float] = {}
     last_neighbours: set[int] = set()
     while full and not fits(full):
-        ranked = sorted((f for f in full if f in scores), key=lambda f: (scores[f], -f))
-        todo = {f for f in full if f not in scores} | last_neighbours | set(ranked[:refresh])
-        for f in sorted(todo):
-            scores[f] = evaluate(tuple(x for x in full if x != f))
-        best = min(todo, key=lambda f: (scores[f], -f))
+        ranked = sorted((f for f in full if f in increase), key=lambda f: (increase[f], -f))
+        todo = {f for f in full if f not in increase} | last_neighbours | set(ranked[:refresh])
+        losses = {f: evaluate(tuple(x for x in full if x != f)) for f in sorted(todo)}
+        increase.update({f: loss - current for f, loss in losses.items()})
+        best = min(todo, key=lambda f: (losses[f], -f))
         k = full.index(best)
         last_neighbours = set(full[max(k - 1, 0): k] + full[k + 1: k + 2])
-        full = full[:k] + full[k + 1:]
-        path.append((full, scores.pop(best)))
+        full, current = full[:k] + full[k + 1:], losses[best]
+        del increase[best]
+        path.append((full, current))
     return path
 
 
@@ -125,11 +130,12 @@ class PlanBank:
 
     ``model``: the source (native or hf_csa2 dense); ``fit`` [N, T] calibration windows for
     the fits, ``score`` [M, T] for the loss; ``csa2_kwargs``: :func:`apply_csa2` arguments
-    (window, top_k, MLA settings, ...).
+    (window, top_k, MLA settings, ...). The all-full model is fitted on every ``fit`` window,
+    the per-layer parts on the first ``part_windows`` (all when None).
     """
 
     def __init__(self, model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict, other_mode: str = "reuse",
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, part_windows: int | None = None):
         if other_mode not in SEARCH_OTHER_MODES:
             raise ValueError(f"other_mode={other_mode!r}; allowed: {', '.join(SEARCH_OTHER_MODES)}")
         self.dense = as_dense_csa2(model)
@@ -144,12 +150,14 @@ class PlanBank:
         self.full_specs = [dict(s) for s in self.model.config.attention_layers]
         self.full_modules = [layer.self_attn for layer in decoder_layers(self.model)]
         self.dense_modules = [layer.self_attn for layer in decoder_layers(self.dense)]
+        # Parts are fitted on the first `part_windows` windows (the search fits hundreds of them).
+        part_fit = fit if part_windows is None else fit[:part_windows]
         inputs: dict[int, tuple] = {}
-        calibrate_layerwise(self.model, fit, lambda i, attn, hidden, kw: inputs.__setitem__(i, (hidden, kw)))
+        calibrate_layerwise(self.model, part_fit, lambda i, attn, hidden, kw: inputs.__setitem__(i, (hidden, kw)))
         self.inputs = [inputs[i] for i in range(self.num_layers)]
         # What a full layer leaves for its readers (entries, index keys, Top-K) on the fit windows.
         self.fit_peers = [SimpleNamespace(scratch=dict(m.scratch), indexer=m.indexer) for m in self.full_modules]
-        self.targets = source_attention_outputs(self.dense, fit)
+        self.targets = source_attention_outputs(self.dense, part_fit)
         self.parts: dict[tuple, Csa2WindowAttention] = {}
         self.part_notes: dict[tuple, dict] = {}
         self.evaluations = 0
@@ -213,7 +221,8 @@ class PlanBank:
 
 
 def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict, *, kv_budget: float, context: int,
-                other_mode: str = "reuse", refresh: int = 4, log: Callable[[str], None] = print) -> PlanSearchResult:
+                other_mode: str = "reuse", refresh: int = 4, part_windows: int | None = None,
+                log: Callable[[str], None] = print) -> PlanSearchResult:
     """Greedy plan search (module docstring) down to ``kv_budget`` elements per token at
     ``context`` tokens. Also scores the uniform plan with as many full layers as the chosen one."""
     from .csa2 import dense_layer_specs
@@ -230,7 +239,7 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict
         raise ValueError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan (every layer swa with "
                          f"window {csa2_kwargs['window']}: {floor:.1f} at a {context}-token context)")
     source_ppl = mean_nll(model, score)["ppl"]
-    bank = PlanBank(model, fit, score, csa2_kwargs, other_mode, log)
+    bank = PlanBank(model, fit, score, csa2_kwargs, other_mode, log, part_windows)
 
     def evaluate(full: tuple[int, ...]) -> float:
         ppl = bank.calib_ppl(full)
