@@ -16,6 +16,7 @@ from ..model import Csa2ForCausalLM
 from ..model.attention_base import rotate_half
 from ..model.configuration_hf_csa2 import CSA2_MODES
 from ..model.csa2_attention import Csa2WindowAttention
+from ..model.sparse_attention import sparse_sink_attention
 from ..training.indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
 from .layerwise import refit_output_projection
 from .rebuild import is_csa2, native_specs, to_csa2
@@ -199,6 +200,27 @@ def calibrate_entry_mass(attn: Csa2WindowAttention, source_attn, hidden: torch.T
             "entry_share_target": float(target[rows].mean())}
 
 
+@torch.no_grad()
+def entry_offset_readout(attn: Csa2WindowAttention, hidden: torch.Tensor, position_embeddings):
+    """``readout(d)`` -> the layer's read-out [N, T, HQ, D] (before ``o_proj``, fp64) if every
+    entry logit bias moved by ``d``, from ONE read at the current bias: an offset rescales the
+    entries' softmax terms by e^d, so read-out = (o_own + e^d o_ent) / (w_own + e^d w_ent + w_sink)."""
+    segments, v_up = attn.read_segments(hidden, position_embeddings, None)
+    outs, weights = sparse_sink_attention(segments, scaling=attn.scaling, sinks=attn.sinks, return_weights=True)
+    own_width = segments[0].index.shape[-1]
+    w_own = weights[..., :own_width].sum(-1).double()[..., None]  # [N, T, HQ, 1]
+    w_ent = weights[..., own_width:].sum(-1).double()[..., None]
+    w_sink = (1 - w_own - w_ent).clamp_min(0)
+    o_own = outs[0].double()
+    o_ent = torch.einsum("bthr,hdr->bthd", outs[1], v_up).double()
+
+    def readout(offset: float) -> torch.Tensor:
+        f = float(torch.tensor(offset, dtype=torch.float64).exp())
+        return (o_own + f * o_ent) / (w_own + f * w_ent + w_sink)
+
+    return readout
+
+
 ENTRY_BIAS_OFFSETS = (-30.0, -8.0, -6.0, -4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0)
 
 
@@ -217,12 +239,9 @@ def refine_entry_bias(attn: Csa2WindowAttention, source_attn, hidden: torch.Tens
     start = reader.logit_bias.clone()
     dense, _ = source_attn.attention_output(hidden, position_embeddings)
     hq = start.shape[0]
-    dense = dense.reshape(*dense.shape[:-1], hq, -1).double()
-    errors = []
-    for off in offsets:
-        reader.logit_bias.copy_(start + off)
-        out, _ = attn.attention_output(hidden, position_embeddings)
-        errors.append((out.reshape(dense.shape).double() - dense).pow(2).sum(dim=(0, 1, 3)))
+    dense = dense.reshape(*dense.shape[:-1], hq, -1).double()  # [N, T, HQ, D]
+    readout = entry_offset_readout(attn, hidden, position_embeddings)
+    errors = [(readout(off) - dense).pow(2).sum(dim=(0, 1, 3)) for off in offsets]
     errors = torch.stack(errors)  # [offsets, HQ]
     best = errors.argmin(0)
     chosen = torch.tensor(offsets, dtype=start.dtype)[best]
@@ -426,5 +445,5 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     return new.eval()
 
 __all__ = ["Csa2FitOptions", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",
-           "csa2_layer_specs", "default_sources", "dense_layer_specs", "far_attention_mass", "fit_csa2_layer",
+           "csa2_layer_specs", "default_sources", "dense_layer_specs", "entry_offset_readout", "far_attention_mass", "fit_csa2_layer",
            "fit_entry_reader", "refine_entry_bias", "init_indexer_from_attention", "ridge_solve"]

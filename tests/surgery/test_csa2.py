@@ -93,13 +93,18 @@ def test_refined_entry_bias_never_reads_out_worse_and_switches_off_useless_reade
     for note in model.fit_notes[1:]:
         assert note["readout_rel_err"] <= note["readout_rel_err_share"] + 1e-12
     # a reader whose values are noise: every head is better off not reading the entries
-    from hf_csa2.surgery.csa2 import as_dense_csa2, refine_entry_bias
+    from hf_csa2.surgery.csa2 import as_dense_csa2, entry_offset_readout, refine_entry_bias
 
     reuse, dense = model.model.layers[2].self_attn, as_dense_csa2(src).model.layers[2].self_attn
     hidden = torch.randn(2, 40, 48, generator=torch.Generator().manual_seed(5))
     pe = model.model.rotary_emb(hidden, torch.arange(40)[None].expand(2, -1))
     with torch.no_grad():
         model.model.layers[0].self_attn.attention_output(hidden, pe)  # entries of this batch
+        readout, start = entry_offset_readout(reuse, hidden, pe), reuse.reader.logit_bias.clone()
+        for off in (-3.0, 0.0, 1.5):  # the closed form the refinement scores = the layer's real read-out
+            reuse.reader.logit_bias.copy_(start + off)
+            real, _ = reuse.attention_output(hidden, pe)
+            assert torch.allclose(readout(off).float().reshape(real.shape), real, atol=1e-5)
         w = reuse.reader.kv_b_proj.weight.view(reuse.num_key_value_heads, 2, reuse.head_dim, -1)  # [H, K|V, D, r]
         w[:, 1].normal_(0, 50.0, generator=torch.Generator().manual_seed(6))  # values: noise; keys kept
         reuse.reader.logit_bias.fill_(3.0)  # entries carry most of the attention
