@@ -96,7 +96,8 @@ def uniform_full_layers(num_layers: int, count: int) -> list[int]:
 
 
 def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]], float],
-                    fits: Callable[[tuple[int, ...]], bool], refresh: int = 4) -> list[tuple[tuple[int, ...], float]]:
+                    fits: Callable[[tuple[int, ...]], bool], refresh: int = 4,
+                    on_step: Callable[[tuple[int, ...], float], None] | None = None) -> list[tuple[tuple[int, ...], float]]:
     """Demote full layers one at a time until ``fits(full_layers)``.
 
     ``evaluate(full_layers) -> loss`` scores a plan. Each step scores the candidates named in
@@ -122,6 +123,8 @@ def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]],
         full, current = full[:k] + full[k + 1:], losses[best]
         del increase[best]
         path.append((full, current))
+        if on_step is not None:
+            on_step(full, current)
     return path
 
 
@@ -246,8 +249,11 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict
         log(f"  full {list(full)}: calib ppl {ppl:.3f}, KV/token {bank.kv_elements_per_token(full, context):.1f}")
         return ppl
 
+    def on_step(full: tuple[int, ...], ppl: float) -> None:
+        log(f"step {n - len(full)}: full {list(full)} calib ppl {ppl:.3f} KV/token {bank.kv_elements_per_token(full, context):.1f}")
+
     path = greedy_demotion(range(n), evaluate, lambda full: bank.kv_elements_per_token(full, context) <= kv_budget,
-                           refresh=refresh)
+                           refresh=refresh, on_step=on_step)
     points = [PlanPoint(list(f), bank.modes(f), bank.kv_elements_per_token(f, context), loss) for f, loss in path]
     chosen = points[-1]
     uniform = None
