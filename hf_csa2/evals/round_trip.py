@@ -37,6 +37,8 @@ def reload_without_hf_csa2(checkpoint: str | os.PathLike, x: torch.Tensor, work_
                            new_tokens: int = 5) -> dict:
     """Logits [B, T, V] and greedy output of ``checkpoint`` loaded with remote code only."""
     work = Path(work_dir)
+    if Path(checkpoint).exists():  # the subprocess runs elsewhere: a relative folder must not read as a Hub ID
+        checkpoint = Path(checkpoint).resolve()
     torch.save(x, work / "x.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["HF_MODULES_CACHE"] = str(work / "modules")
