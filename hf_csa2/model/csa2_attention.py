@@ -21,7 +21,8 @@ Top-K entries and the window, with per-head sinks.
 
 Cache: full layers use transformers' ``DynamicIndexedLayer`` (keys = latent ``[B, 1, S, r]``,
 values = rope part, ``indexer_keys`` ``[B, S, d_I]``); the others ``DynamicSlidingWindowLayer``
-(their own ``[B, H, W-1, D]`` keys/values). A cache built without knowledge of these layers
+(their own ``[B, H, W-1, D]`` keys/values), or with ``sink_tokens: P`` a
+:class:`DynamicSinkWindowLayer` that also keeps the first P tokens once they leave the window. A cache built without knowledge of these layers
 (``DynamicCache()`` or ``DynamicCache(config=...)``) gets the right layer objects on first use.
 Layers find the entries of earlier layers through ``peers`` (the model's attention modules),
 filled during the same forward (``scratch``). Inputs must be unpadded (no left padding).
