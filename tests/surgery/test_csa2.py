@@ -151,6 +151,7 @@ def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch, capsys, monkeypatch):
         ({"full_every": 2, "other_mode": "full"}, "other_mode"),
         ({"full_every": 2, "window": 0}, "csa2.window=0"),
         ({"full_every": 2, "top_k": -1}, "csa2.top_k=-1"),
+        ({"full_every": 2, "sink_tokens": -1}, "csa2.sink_tokens=-1"),
     ],
 )
 def test_plan_errors_name_the_field(csa2, message):
