@@ -300,6 +300,9 @@ def _plan(args) -> int:
     header = [f"CSA2 layer plan chosen by: hf-csa2 {' '.join(args.argv)}",
               f"budget {budget:.1f} KV elements/token at a {args.context}-token context "
               f"(source {source_kv:.1f}); {result.evaluations} plans scored on the calibration windows.",
+              f"chosen: full layers {result.chosen.full_layers or 'none'}, calib ppl {result.chosen.calib_ppl:.3f}"
+              + (f"; uniform with as many full layers {result.uniform.full_layers}: {result.uniform.calib_ppl:.3f}"
+                 if result.uniform is not None else ""),
               "calib ppl below: plans assembled from parts fitted on the all-full model (a proxy);",
               "convert the plan for its real figures.", ""] + table.splitlines()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,9 @@
 Greedy, IndexCache-style: start with every layer ``full``; at each step demote the full
 layer whose removal raises the calibration loss least (the layers that read it now read the
 previous full layer; layers before the first full layer become ``swa``), until the plan's KV
-elements per token at the reference context fit the budget. The path is the trade-off curve.
+elements per token at the reference context fit the budget, and on while each further demotion
+still lowers the loss (a full layer's latent entries are lossy, so fewer full layers can score
+better). The path is the trade-off curve; the chosen plan is the best-scoring one that fits.
 
 A real conversion per candidate would take minutes, so candidates are assembled from a bank
 of parts fitted once (:class:`PlanBank`): the all-full CSA2 model (each layer's MLA entries
@@ -56,17 +58,20 @@ class PlanSearchResult:
     source_kv_elements_per_token: float
     context: int
     budget: float
-    path: list[PlanPoint]  # all-full first, the chosen plan last
+    path: list[PlanPoint]  # all-full first, one demotion per step
     uniform: PlanPoint | None  # evenly spaced full layers, as many as the chosen plan
     evaluations: int
     fit_notes: dict = field(default_factory=dict)
 
     @property
     def chosen(self) -> PlanPoint:
-        return self.path[-1]
+        """The best-scoring plan on the path that fits the budget (ties: the cheaper one)."""
+        fitting = [p for p in self.path if p.kv_elements_per_token <= self.budget]
+        return min(fitting, key=lambda p: (p.calib_ppl, p.kv_elements_per_token))
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "chosen": asdict(self.chosen)}
+        return {**asdict(self), "chosen": asdict(self.chosen),
+                "envelope": [asdict(p) for p in pareto_envelope(self.path)]}
 
 
 def parse_kv_budget(text: str | float, source_kv: float) -> float:
@@ -97,8 +102,10 @@ def uniform_full_layers(num_layers: int, count: int) -> list[int]:
 
 def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]], float],
                     fits: Callable[[tuple[int, ...]], bool], refresh: int = 4,
-                    on_step: Callable[[tuple[int, ...], float], None] | None = None) -> list[tuple[tuple[int, ...], float]]:
-    """Demote full layers one at a time until ``fits(full_layers)``.
+                    on_step: Callable[[tuple[int, ...], float], None] | None = None,
+                    past_budget: bool = False) -> list[tuple[tuple[int, ...], float]]:
+    """Demote full layers one at a time until ``fits(full_layers)`` (with ``past_budget``:
+    and on while the last demotion lowered the loss).
 
     ``evaluate(full_layers) -> loss`` scores a plan. Each step scores the candidates named in
     the module docstring (stale ones ranked by the loss increase they caused when last scored)
@@ -112,7 +119,12 @@ def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]],
     # it: increases, unlike absolute losses, stay comparable from one step to the next.
     increase: dict[int, float] = {}
     last_neighbours: set[int] = set()
-    while full and not fits(full):
+    def more() -> bool:
+        if not fits(full):
+            return True
+        return past_budget and len(path) > 1 and path[-1][1] < path[-2][1]
+
+    while full and more():
         ranked = sorted((f for f in full if f in increase), key=lambda f: (increase[f], -f))
         todo = {f for f in full if f not in increase} | last_neighbours | set(ranked[:refresh])
         losses = {f: evaluate(tuple(x for x in full if x != f)) for f in sorted(todo)}
@@ -253,15 +265,18 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict
         log(f"step {n - len(full)}: full {list(full)} calib ppl {ppl:.3f} KV/token {bank.kv_elements_per_token(full, context):.1f}")
 
     path = greedy_demotion(range(n), evaluate, lambda full: bank.kv_elements_per_token(full, context) <= kv_budget,
-                           refresh=refresh, on_step=on_step)
+                           refresh=refresh, on_step=on_step, past_budget=True)
     points = [PlanPoint(list(f), bank.modes(f), bank.kv_elements_per_token(f, context), loss) for f, loss in path]
-    chosen = points[-1]
-    uniform = None
-    if chosen.full_layers:
-        layers = uniform_full_layers(n, len(chosen.full_layers))
-        uniform = PlanPoint(layers, bank.modes(layers), bank.kv_elements_per_token(layers, context), bank.calib_ppl(layers))
-    return PlanSearchResult(source_ppl=source_ppl, source_kv_elements_per_token=source_kv, context=context, budget=kv_budget,
-                            path=points, uniform=uniform, evaluations=bank.evaluations)
+    result = PlanSearchResult(source_ppl=source_ppl, source_kv_elements_per_token=source_kv, context=context,
+                              budget=kv_budget, path=points, uniform=None, evaluations=0)
+    layers = uniform_full_layers(n, len(result.chosen.full_layers))
+    if layers == result.chosen.full_layers:
+        result.uniform = result.chosen
+    elif layers:
+        result.uniform = PlanPoint(layers, bank.modes(layers), bank.kv_elements_per_token(layers, context),
+                                   bank.calib_ppl(layers))
+    result.evaluations = bank.evaluations
+    return result
 
 
 def pareto_envelope(points: list[PlanPoint]) -> list[PlanPoint]:
@@ -274,18 +289,28 @@ def pareto_envelope(points: list[PlanPoint]) -> list[PlanPoint]:
 
 
 def format_curve(result: PlanSearchResult) -> str:
-    """Markdown table of the search path (plus the uniform plan of the chosen size)."""
-    lines = [f"| plan | full layers | KV elements/token @{result.context} | KV ratio | calib ppl | ppl ratio |",
-             "|---|---|---:|---:|---:|---:|",
-             f"| source | all dense | {result.source_kv_elements_per_token:.1f} | 1.000 | {result.source_ppl:.3f} | 1.000 |"]
-    rows = [(f"step {k}", p) for k, p in enumerate(result.path)]
+    """Markdown table of the search path (plus the uniform plan of the chosen size). ``best so
+    far`` is the trade-off curve: the lowest calib ppl of any path plan at or below that KV."""
+    lines = [f"| plan | full layers | KV elements/token @{result.context} | KV ratio | calib ppl | ppl ratio | "
+             "best at ≤ this KV |",
+             "|---|---|---:|---:|---:|---:|---:|",
+             f"| source | all dense | {result.source_kv_elements_per_token:.1f} | 1.000 | {result.source_ppl:.3f} | 1.000 | |"]
+    envelope = pareto_envelope(result.path)
+    chosen = result.chosen
+
+    def best_at(kv: float) -> str:
+        below = [p.calib_ppl for p in envelope if p.kv_elements_per_token <= kv]
+        return f"{min(below):.3f}" if below else ""
+
+    rows = [(f"step {k}" + (" (chosen)" if p is chosen else ""), p, best_at(p.kv_elements_per_token))
+            for k, p in enumerate(result.path)]
     if result.uniform is not None:
-        rows.append(("uniform", result.uniform))
-    for name, p in rows:
+        rows.append(("uniform", result.uniform, ""))
+    for name, p, best in rows:
         full = ",".join(map(str, p.full_layers)) or "-"
         lines.append(f"| {name} | {full} | {p.kv_elements_per_token:.1f} | "
                      f"{p.kv_elements_per_token / result.source_kv_elements_per_token:.3f} | {p.calib_ppl:.3f} | "
-                     f"{p.calib_ppl / result.source_ppl:.3f} |")
+                     f"{p.calib_ppl / result.source_ppl:.3f} | {best} |")
     return "\n".join(lines)
 
 

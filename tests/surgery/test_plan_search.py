@@ -92,6 +92,30 @@ def test_plan_modes_and_uniform_layers():
     assert uniform_full_layers(7, 2) == [0, 3]
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-3.0, 3.0), min_size=2, max_size=8), st.data())
+def test_past_budget_walks_on_while_the_loss_falls(gains, data):
+    """Demoting can lower the loss (a lossy full layer replaced by an exact window): the walk
+    goes past the first fitting plan exactly while each step still lowers the loss."""
+    n = len(gains)
+    stop_at = data.draw(st.integers(0, n - 1))
+
+    def loss(full):  # each demoted layer adds its gain (negative: demoting helps)
+        return 10.0 + sum(g for i, g in enumerate(gains) if i not in full)
+
+    path = greedy_demotion(range(n), loss, lambda full: len(full) <= stop_at, refresh=n, past_budget=True)
+    sizes, losses = [len(f) for f, _ in path], [v for _, v in path]
+    assert sizes == list(range(n, n - len(path), -1)) and sizes[-1] <= stop_at
+    first_fit = sizes.index(stop_at)
+    assert all(losses[k - 1] < losses[k - 2] for k in range(first_fit + 1, len(path)))
+    assert sizes[-1] == 0 or len(path) == first_fit + 1 or losses[-1] >= losses[-2]
+    # additive gains, full refresh: the first step past the budget that stops is a real optimum
+    fitting = losses[first_fit:]
+    best_any = min(loss(c) for k in range(0, stop_at + 1) for c in itertools.combinations(range(n), k))
+    if sizes[-1] == 0 or losses[-1] > losses[-2]:
+        assert min(fitting) == pytest.approx(best_any)
+
+
 def test_pareto_envelope_is_monotone():
     pts = [PlanPoint([0], [], kv, ppl) for kv, ppl in [(10, 5.0), (20, 4.0), (30, 4.5), (40, 3.0)]]
     env = pareto_envelope(pts)
@@ -129,9 +153,16 @@ def test_search_walks_down_to_the_budget():
     budget = probe.kv_elements_per_token([0, 2], 64)
     res = search_plan(src, windows(4), windows(2, seed=4), bank_kw, kv_budget=budget, context=64, log=lambda m: None)
     kv = [p.kv_elements_per_token for p in res.path]
-    assert [len(p.full_layers) for p in res.path] == [5, 4, 3, 2]
-    assert all(a > b for a, b in zip(kv, kv[1:])) and kv[-1] <= budget < kv[-2]
-    assert res.uniform is not None and res.uniform.full_layers == [0, 2]
+    ppl = [p.calib_ppl for p in res.path]
+    assert [len(p.full_layers) for p in res.path] == list(range(5, 5 - len(res.path), -1))
+    assert all(a > b for a, b in zip(kv, kv[1:]))
+    first_fit = next(k for k, v in enumerate(kv) if v <= budget)
+    assert first_fit == 3 and kv[2] > budget
+    # past the budget only while the loss fell; the chosen plan is the best fitting one
+    assert all(ppl[k - 1] < ppl[k - 2] for k in range(first_fit + 1, len(ppl)))
+    assert len(res.path) == 6 or len(res.path) == first_fit + 1 or ppl[-1] >= ppl[-2]
+    assert res.chosen.calib_ppl == min(ppl[first_fit:])
+    assert res.uniform is not None and res.uniform.full_layers == uniform_full_layers(5, len(res.chosen.full_layers))
     assert res.chosen.modes == plan_modes(5, res.chosen.full_layers)
     with pytest.raises(ValueError, match="below the cheapest plan"):
         search_plan(src, windows(4), windows(2, seed=4), bank_kw, kv_budget=1.0, context=64, log=lambda m: None)
