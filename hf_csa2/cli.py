@@ -262,7 +262,7 @@ def _plan(args) -> int:
     import yaml
 
     from .evals.kv_cache import config_kv_elements_at_context
-    from .surgery.pipeline import csa2_arguments, peek_config, prepare_source
+    from .surgery.pipeline import csa2_arguments, peek_config, prepare_source, run_stages
     from .surgery.plan import ConversionPlan
     from .surgery.plan_search import SEARCH_OTHER_MODES, format_curve, parse_kv_budget, search_plan
     from .surgery.sources import resolve_source
@@ -278,6 +278,9 @@ def _plan(args) -> int:
         raise PlanError(f"--plan {args.plan!r} has no csa2 section; the search keeps its window, top_k, reader and "
                         "indexer settings and the mla section, and chooses csa2.layers")
     other = base.csa2.other_mode if base.csa2.layers is None else "reuse"
+    if base.csa2.layers is not None:
+        _log("plan search: the base plan's csa2.layers are replaced; demoted layers become reuse "
+             "(set csa2.full_every and csa2.other_mode to search with another mode)")
     if other not in SEARCH_OTHER_MODES:
         raise PlanError(f"csa2.other_mode={other!r}; allowed for the search: {', '.join(SEARCH_OTHER_MODES)}")
     kind, path = resolve_source(args.source)
@@ -288,8 +291,10 @@ def _plan(args) -> int:
         raise PlanError(str(err)) from err
     base.csa2.layers, base.csa2.full_every = None, 1  # every layer full: valid for any source while checking
     prepared = prepare_source(args.source, base, _log)
+    # the search starts from what the csa2 stage of `convert` would get (after gqa / sinks)
+    model = run_stages(prepared.model, base, prepared.calib, before="csa2")
     try:
-        result = search_plan(prepared.model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
+        result = search_plan(model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
                              kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
                              part_windows=args.part_windows, log=_log)
     except ValueError as err:

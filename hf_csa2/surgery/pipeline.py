@@ -168,6 +168,23 @@ STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("mla", mla_stage), ("
 
 # -- driver -----------------------------------------------------------------------------
 
+def run_stages(model, plan: ConversionPlan, calib: Calibration, *, before: str | None = None,
+               on_stage: Callable[[str, PreTrainedModel, float, dict], None] | None = None) -> PreTrainedModel:
+    """Run the plan's stages in order on ``model`` (the source), stopping before the stage named
+    ``before`` when given; ``on_stage(name, model, start_time, notes)`` after each."""
+    source_model = model
+    for name, stage in STAGES:
+        if name == before:
+            break
+        if getattr(plan, name) is None or (name == "mla" and plan.csa2 is not None):
+            continue  # with csa2, MLA is built inside the csa2 stage (full layers only)
+        t = time.perf_counter()
+        model, notes = stage(model, plan, calib, source_model)
+        if on_stage is not None:
+            on_stage(name, model, t, notes)
+    return model
+
+
 def as_plan(plan) -> ConversionPlan:
     if plan is None:
         return ConversionPlan()
@@ -260,14 +277,12 @@ def convert(
                                           prepared.config)
     report = [_stage_report("source", model, calib, t0, {"kind": kind, "model_type": config.model_type})]
     log(format_stage(report[-1]))
-    source_model = model
-    for name, stage in STAGES:
-        if getattr(plan, name) is None or (name == "mla" and plan.csa2 is not None):
-            continue  # with csa2, MLA is built inside the csa2 stage (full layers only)
-        t = time.perf_counter()
-        model, notes = stage(model, plan, calib, source_model)
-        report.append(_stage_report(name, model, calib, t, notes))
+
+    def on_stage(name: str, stage_model, started: float, notes: dict) -> None:
+        report.append(_stage_report(name, stage_model, calib, started, notes))
         log(format_stage(report[-1]))
+
+    model = run_stages(model, plan, calib, on_stage=on_stage)
     if is_csa2(model) and model.config.uses_only_native_features:
         model = to_native(model)  # e.g. a plain Llama with fewer KV heads: no remote code needed
     result = ConversionResult(model=model, tokenizer=loaded.tokenizer, plan=plan, source=source, report=report)

@@ -67,6 +67,8 @@ class PlanSearchResult:
     def chosen(self) -> PlanPoint:
         """The best-scoring plan on the path that fits the budget (ties: the cheaper one)."""
         fitting = [p for p in self.path if p.kv_elements_per_token <= self.budget]
+        if not fitting:
+            raise ValueError(f"no plan on the path fits the budget of {self.budget:.1f} KV elements/token")
         return min(fitting, key=lambda p: (p.calib_ppl, p.kv_elements_per_token))
 
     def as_dict(self) -> dict:
@@ -104,8 +106,9 @@ def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]],
                     fits: Callable[[tuple[int, ...]], bool], refresh: int = 4,
                     on_step: Callable[[tuple[int, ...], float], None] | None = None,
                     past_budget: bool = False) -> list[tuple[tuple[int, ...], float]]:
-    """Demote full layers one at a time until ``fits(full_layers)`` (with ``past_budget``:
-    and on while the last demotion lowered the loss).
+    """Demote full layers one at a time until ``fits(full_layers)``; with ``past_budget``, try
+    one more demotion and go on while each demotion lowers the loss (the path then ends with the
+    first one that did not, unless no full layer is left).
 
     ``evaluate(full_layers) -> loss`` scores a plan. Each step scores the candidates named in
     the module docstring (stale ones ranked by the loss increase they caused when last scored)
@@ -119,13 +122,20 @@ def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]],
     # it: increases, unlike absolute losses, stay comparable from one step to the next.
     increase: dict[int, float] = {}
     last_neighbours: set[int] = set()
+    first_fit: int | None = None
+
     def more() -> bool:
+        # past the budget: one step beyond the first fitting plan, then on while steps lower the loss
+        nonlocal first_fit
         if not fits(full):
             return True
-        return past_budget and len(path) > 1 and path[-1][1] < path[-2][1]
+        if first_fit is None:
+            first_fit = len(path) - 1
+        return past_budget and (len(path) - 1 == first_fit or path[-1][1] < path[-2][1])
 
     while full and more():
-        ranked = sorted((f for f in full if f in increase), key=lambda f: (increase[f], -f))
+        # the neighbours are re-scored anyway: the refresh slots go to the best other stale ones
+        ranked = sorted((f for f in full if f in increase and f not in last_neighbours), key=lambda f: (increase[f], -f))
         todo = {f for f in full if f not in increase} | last_neighbours | set(ranked[:refresh])
         losses = {f: evaluate(tuple(x for x in full if x != f)) for f in sorted(todo)}
         increase.update({f: loss - current for f, loss in losses.items()})
@@ -289,8 +299,9 @@ def pareto_envelope(points: list[PlanPoint]) -> list[PlanPoint]:
 
 
 def format_curve(result: PlanSearchResult) -> str:
-    """Markdown table of the search path (plus the uniform plan of the chosen size). ``best so
-    far`` is the trade-off curve: the lowest calib ppl of any path plan at or below that KV."""
+    """Markdown table of the search path (plus the uniform plan of the chosen size). The column
+    ``best at ≤ this KV`` is the trade-off curve: the lowest calib ppl of any path plan at or
+    below that KV."""
     lines = [f"| plan | full layers | KV elements/token @{result.context} | KV ratio | calib ppl | ppl ratio | "
              "best at ≤ this KV |",
              "|---|---|---:|---:|---:|---:|---:|",

@@ -168,3 +168,25 @@ def test_cli_convert_eval_inspect(tmp_path, text_file):
     info = json.loads(proc.stdout)
     assert info["kv_elements_per_token_measured"] == info["kv_elements_per_token_config"] == 2 * 1 * 12 * 2
     assert hf_csa2.__version__
+
+
+def test_run_stages_stops_before_the_named_stage():
+    """`hf-csa2 plan` searches on what the csa2 stage of `convert` gets: gqa and sinks applied."""
+    from tiny_models import tiny_model
+
+    from hf_csa2.surgery.pipeline import Calibration, run_stages
+    from hf_csa2.surgery.plan import ConversionPlan
+
+    torch.manual_seed(0)
+    src = tiny_model("llama", num_layers=2)
+    plan = ConversionPlan.from_dict({"gqa": {"num_key_value_heads": 1}, "sinks": {},
+                                     "mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
+                                     "csa2": {"full_every": 1, "window": 4, "top_k": 4}})
+    ids = torch.randint(3, 100, (3, 24), generator=torch.Generator().manual_seed(1))
+    seen = []
+    model = run_stages(src, plan, Calibration(fit=ids[:2], score=ids[2:]), before="csa2",
+                       on_stage=lambda name, m, t, notes: seen.append(name))
+    assert seen == ["gqa", "sinks"]
+    assert src.config.num_key_value_heads > 1
+    assert [s["kind"] for s in model.config.attention_layers] == ["dense", "dense"]  # no csa2 yet
+    assert all(s["num_key_value_heads"] == 1 and s["sinks"] for s in model.config.attention_layers)

@@ -72,7 +72,11 @@ def test_lazy_greedy_with_full_refresh_is_the_plain_greedy(weights, stop_at):
     path = greedy_demotion(range(n), lambda f: calls.append(f) or loss(f), lambda full: len(full) <= stop_at, refresh=n)
     assert path == plain_greedy(n, loss, stop_at)
     lazy_calls = []
-    greedy_demotion(range(n), lambda f: lazy_calls.append(f) or loss(f), lambda full: len(full) <= stop_at, refresh=1)
+    # a demotion changes only its neighbours' increases, so the lazy search (neighbours + the
+    # best other stale candidate) still makes the plain greedy's choices
+    lazy = greedy_demotion(range(n), lambda f: lazy_calls.append(f) or loss(f), lambda full: len(full) <= stop_at,
+                           refresh=1)
+    assert lazy == path
     assert len(lazy_calls) <= len(calls)
 
 
@@ -107,13 +111,29 @@ def test_past_budget_walks_on_while_the_loss_falls(gains, data):
     sizes, losses = [len(f) for f, _ in path], [v for _, v in path]
     assert sizes == list(range(n, n - len(path), -1)) and sizes[-1] <= stop_at
     first_fit = sizes.index(stop_at)
-    assert all(losses[k - 1] < losses[k - 2] for k in range(first_fit + 1, len(path)))
-    assert sizes[-1] == 0 or len(path) == first_fit + 1 or losses[-1] >= losses[-2]
+    # a step past the first one beyond the budget is taken only after a step that lowered the loss
+    assert all(losses[k - 1] < losses[k - 2] for k in range(first_fit + 2, len(path)))
+    assert sizes[-1] == 0 or losses[-1] >= losses[-2]
     # additive gains, full refresh: the first step past the budget that stops is a real optimum
+    assert len(path) > first_fit + 1 or sizes[-1] == 0  # always one step past the budget
     fitting = losses[first_fit:]
     best_any = min(loss(c) for k in range(0, stop_at + 1) for c in itertools.combinations(range(n), k))
-    if sizes[-1] == 0 or losses[-1] > losses[-2]:
-        assert min(fitting) == pytest.approx(best_any)
+    assert min(fitting) == pytest.approx(best_any)
+
+
+def test_past_budget_fixed_cases():
+    gains = {0: -1.0, 1: -2.0, 2: 5.0}
+
+    def loss(full):
+        return 10.0 + sum(g for i, g in gains.items() if i not in full)
+
+    path = greedy_demotion(range(3), loss, lambda full: len(full) <= 2, past_budget=True)
+    assert [f for f, _ in path] == [(0, 1, 2), (0, 2), (2,), ()]  # -2, -1, then +5 stops it
+    assert [f for f, _ in greedy_demotion(range(3), loss, lambda full: len(full) <= 2)] == [(0, 1, 2), (0, 2)]
+    # the step that reaches the budget raises the loss; the next one lowers it again
+    table = {(0, 1, 2): 10.0, (1, 2): 12.0, (0, 2): 13.0, (0, 1): 14.0, (2,): 11.0, (1,): 12.5, (0,): 20.0, (): 30.0}
+    path = greedy_demotion(range(3), table.__getitem__, lambda full: len(full) <= 2, past_budget=True)
+    assert [f for f, _ in path] == [(0, 1, 2), (1, 2), (2,), ()]
 
 
 def test_pareto_envelope_is_monotone():
@@ -158,9 +178,10 @@ def test_search_walks_down_to_the_budget():
     assert all(a > b for a, b in zip(kv, kv[1:]))
     first_fit = next(k for k, v in enumerate(kv) if v <= budget)
     assert first_fit == 3 and kv[2] > budget
-    # past the budget only while the loss fell; the chosen plan is the best fitting one
-    assert all(ppl[k - 1] < ppl[k - 2] for k in range(first_fit + 1, len(ppl)))
-    assert len(res.path) == 6 or len(res.path) == first_fit + 1 or ppl[-1] >= ppl[-2]
+    # one step past the budget, then on only while the loss fell; the chosen plan is the best fitting one
+    assert len(res.path) > first_fit + 1
+    assert all(ppl[k - 1] < ppl[k - 2] for k in range(first_fit + 2, len(ppl)))
+    assert len(res.path) == 6 or ppl[-1] >= ppl[-2]
     assert res.chosen.calib_ppl == min(ppl[first_fit:])
     assert res.uniform is not None and res.uniform.full_layers == uniform_full_layers(5, len(res.chosen.full_layers))
     assert res.chosen.modes == plan_modes(5, res.chosen.full_layers)
