@@ -65,6 +65,12 @@ def cache_layer(cache, layer_idx: int, layer_type: type, **kwargs):
     return layer
 
 
+def own_cache_layer(attn: nn.Module, cache):
+    """The cache layer of a CSA2 attention module, of the class its ``cache_layer_kind()`` names."""
+    layer_type, kwargs = attn.cache_layer_kind()
+    return cache_layer(cache, attn.layer_idx, layer_type, **kwargs)
+
+
 class DynamicSinkWindowLayer(DynamicSlidingWindowLayer):
     """A sliding-window cache layer that keeps the first ``sink_tokens`` tokens for good once
     they leave the window (``sink_keys``/``sink_values`` ``[B, H, <=P, D]``; StreamingLLM's
@@ -74,9 +80,6 @@ class DynamicSinkWindowLayer(DynamicSlidingWindowLayer):
         super().__init__(sliding_window=sliding_window, **kwargs)
         self.sink_tokens = sink_tokens
         self.sink_keys = self.sink_values = None
-
-    def activate_past_recording(self):
-        raise NotImplementedError("DynamicSinkWindowLayer does not record past states (no assisted decoding)")
 
     @property
     def sinks_held(self) -> int:
@@ -157,6 +160,10 @@ class Csa2FullAttention(Csa2LatentAttention):
     def cache_width(self) -> int:
         return super().cache_width + self.indexer.head_dim
 
+    def cache_layer_kind(self) -> tuple[type, dict]:
+        """The cache layer class (and its arguments) this layer stores its entries in."""
+        return DynamicIndexedLayer, {}
+
     def attention_output(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
         built from positions (causal, unpadded)."""
@@ -164,7 +171,7 @@ class Csa2FullAttention(Csa2LatentAttention):
         latent, rope_part = self.compress(hidden_states, position_embeddings)  # [B, 1, T, r], [B, 1, T, X]
         index_keys = self.indexer.keys(hidden_states, position_embeddings)  # [B, T, d_I]
         if cache is not None:
-            layer = cache_layer(cache, self.layer_idx, DynamicIndexedLayer)
+            layer = own_cache_layer(self, cache)
             latent, rope_part = cache.update(latent, rope_part, self.layer_idx)
             index_keys = layer.update_indexer(index_keys)
         s = latent.shape[2]
@@ -316,11 +323,7 @@ class Csa2WindowAttention(Csa2Attention):
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
         total, sink_k, sink_v = t, k[:, :, : self.sink_tokens], v[:, :, : self.sink_tokens]
         if cache is not None:
-            if self.sink_tokens:
-                layer = cache_layer(cache, self.layer_idx, DynamicSinkWindowLayer, sliding_window=self.window,
-                                    sink_tokens=self.sink_tokens)
-            else:
-                layer = cache_layer(cache, self.layer_idx, DynamicSlidingWindowLayer, sliding_window=self.window)
+            layer = own_cache_layer(self, cache)
             k, v = cache.update(k, v, self.layer_idx)
             total = layer.get_seq_length()
             if self.sink_tokens:
@@ -342,6 +345,12 @@ class Csa2WindowAttention(Csa2Attention):
             segments.append(entries)
             self.scratch = {"top_k": top}
         return segments, v_up
+
+    def cache_layer_kind(self) -> tuple[type, dict]:
+        """The cache layer class (and its arguments) of this layer's own window."""
+        if self.sink_tokens:
+            return DynamicSinkWindowLayer, {"sliding_window": self.window, "sink_tokens": self.sink_tokens}
+        return DynamicSlidingWindowLayer, {"sliding_window": self.window}
 
     @property
     def kv_of_query(self) -> torch.Tensor:

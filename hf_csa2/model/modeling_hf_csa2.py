@@ -26,7 +26,7 @@ from transformers.utils.generic import can_return_tuple
 
 from .attention_base import SINK_OFF, Csa2AttentionBase
 from .configuration_hf_csa2 import Csa2Config
-from .csa2_attention import Csa2FullAttention, Csa2WindowAttention, EntryReader
+from .csa2_attention import Csa2FullAttention, Csa2WindowAttention, EntryReader, own_cache_layer
 from .dense_attention import Csa2Attention
 from .latent_attention import Csa2LatentAttention
 
@@ -98,6 +98,17 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
             recorded["attentions"] = Csa2AttentionBase
             self.model._can_record_outputs = recorded
         self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        # CSA2 layers need their own cache layer classes; build them before the first forward so
+        # that generate's cache hooks (past recording for assisted decoding) reach them.
+        out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if cache is not None and hasattr(cache, "layers") and cache.get_seq_length() == 0:
+            for layer in self.model.layers:
+                if hasattr(layer.self_attn, "cache_layer_kind"):
+                    own_cache_layer(layer.self_attn, cache)
+        return out
 
     def get_input_embeddings(self):
         return self.model.embed_tokens

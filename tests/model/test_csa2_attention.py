@@ -164,6 +164,18 @@ def test_beam_search_and_greedy_generation_are_consistent_with_the_forward(sink_
             assert torch.allclose(total / len(new), score, atol=1e-4)
 
 
+@pytest.mark.parametrize("sink_tokens", [0, 2])
+def test_assisted_decoding_matches_greedy(sink_tokens):
+    """Prompt-lookup decoding records past window states and crops rejected drafts (sinks that
+    left the window during a rejected draft go back into it): same tokens as plain greedy."""
+    model, _, _ = csa2_model("llama", *MIXED_PLAN, sink_tokens=sink_tokens)
+    x = torch.cat([ids(batch=1, length=6)] * 3, dim=1)  # repeats give the lookup drafts to try
+    with torch.no_grad():
+        greedy = model.generate(x, max_new_tokens=16, do_sample=False)
+        assisted = model.generate(x, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4)
+    assert torch.equal(greedy, assisted)
+
+
 def test_top_k_smaller_than_history_really_drops_entries():
     """With K < history the read differs from reading everything (the index matters), and
     moving an unselected old entry's token changes nothing in a reuse layer's read-out."""
