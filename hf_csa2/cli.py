@@ -7,7 +7,7 @@
     hf-csa2 eval report ORIGINAL CONVERTED [...] --out DIR
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
-    hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192]
+    hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192] [--swa-pass]
     hf-csa2 export DIR --format deepseek_v3 --out OUT [--overwrite]
 """
 
@@ -296,18 +296,19 @@ def _plan(args) -> int:
     try:
         result = search_plan(model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
                              kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
-                             part_windows=args.part_windows, log=_log)
+                             part_windows=args.part_windows, swa_pass=args.swa_pass, log=_log)
     except ValueError as err:
         raise PlanError(str(err)) from err
     table = format_curve(result)
     print(table)
-    base.csa2.layers, base.csa2.full_every = result.chosen.modes, None
+    base.csa2.layers, base.csa2.full_every = result.final.modes, None
     header = [f"CSA2 layer plan chosen by: hf-csa2 {' '.join(args.argv)}",
               f"budget {budget:.1f} KV elements/token at a {args.context}-token context "
               f"(source {source_kv:.1f}); {result.evaluations} plans scored on the calibration windows.",
               f"chosen: full layers {result.chosen.full_layers or 'none'}, calib ppl {result.chosen.calib_ppl:.3f}"
               + (f"; uniform with as many full layers {result.uniform.full_layers}: {result.uniform.calib_ppl:.3f}"
-                 if result.uniform is not None else ""),
+                 if result.uniform is not None else "")
+              + (f"; swa pass: {result.swa_pass.calib_ppl:.3f}" if result.swa_pass is not None else ""),
               "calib ppl below: plans assembled from parts fitted on the all-full model (a proxy);",
               "convert the plan for its real figures.", ""] + table.splitlines()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -418,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh", type=int, default=4, help="stale candidates re-scored per greedy step")
     p.add_argument("--part-windows", type=int, default=4,
                    help="calibration windows each per-layer part (reader, bias, o_proj) is fitted on during the search")
+    p.add_argument("--swa-pass", action="store_true",
+                   help="then try each reading layer of the chosen plan as swa (own window only; same KV) and keep it "
+                        "where the calibration loss falls")
     p.add_argument("--json", help="also write the trade-off curve as JSON")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_plan)

@@ -61,7 +61,13 @@ class PlanSearchResult:
     path: list[PlanPoint]  # all-full first, one demotion per step
     uniform: PlanPoint | None  # evenly spaced full layers, as many as the chosen plan
     evaluations: int
+    swa_pass: PlanPoint | None = None  # the chosen full layers with readers turned swa where that helps
     fit_notes: dict = field(default_factory=dict)
+
+    @property
+    def final(self) -> PlanPoint:
+        """The plan to write: the swa pass's when it ran, else the chosen one."""
+        return self.swa_pass if self.swa_pass is not None else self.chosen
 
     @property
     def chosen(self) -> PlanPoint:
@@ -72,7 +78,7 @@ class PlanSearchResult:
         return min(fitting, key=lambda p: (p.calib_ppl, p.kv_elements_per_token))
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "chosen": asdict(self.chosen),
+        return {**asdict(self), "chosen": asdict(self.chosen), "final": asdict(self.final),
                 "envelope": [asdict(p) for p in pareto_envelope(self.path)]}
 
 
@@ -227,6 +233,14 @@ class PlanBank:
     def install(self, full_layers: Iterable[int]) -> list[str]:
         """Make the bank model the plan with these full layers (in place); returns its modes."""
         modes = self.modes(full_layers)
+        self.install_modes(modes)
+        return modes
+
+    def install_modes(self, modes: list[str]) -> None:
+        """Make the bank model the plan with these modes (in place; full layers as in the bank,
+        the others ``swa`` or the bank's ``other_mode``)."""
+        if any(m not in ("full", "swa", self.other_mode) for m in modes):
+            raise ValueError(f"modes {modes}; allowed in this bank: full, swa, {self.other_mode}")
         specs = self.plan_specs(modes)
         layers = decoder_layers(self.model)
         for i, layer in enumerate(layers):
@@ -236,20 +250,37 @@ class PlanBank:
         for attn in peers:
             if isinstance(attn, Csa2WindowAttention):
                 attn.peers = peers
-        return modes
+
+    def calib_ppl(self, full_layers: Iterable[int]) -> float:
+        return self.score_modes(self.modes(full_layers))
 
     @torch.no_grad()
-    def calib_ppl(self, full_layers: Iterable[int]) -> float:
-        self.install(full_layers)
+    def score_modes(self, modes: list[str]) -> float:
+        self.install_modes(modes)
         self.evaluations += 1
         return mean_nll(self.model, self.score)["ppl"]
 
+    def swa_pass(self, point: PlanPoint, log: Callable[[str], None] = print) -> PlanPoint:
+        """Try each reading layer of ``point`` as ``swa`` (own window only), in order, keeping
+        it where the calibration loss falls. Same KV: a reader caches only its window."""
+        modes, best = list(point.modes), point.calib_ppl
+        for i, mode in enumerate(point.modes):
+            if mode in ("full", "swa"):
+                continue
+            trial = modes[:i] + ["swa"] + modes[i + 1:]
+            ppl = self.score_modes(trial)
+            log(f"  swa pass: layer {i} as swa: calib ppl {ppl:.3f} ({'kept' if ppl < best else 'not kept'})")
+            if ppl < best:
+                modes, best = trial, ppl
+        return PlanPoint(list(point.full_layers), modes, point.kv_elements_per_token, best)
+
 
 def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict, *, kv_budget: float, context: int,
-                other_mode: str = "reuse", refresh: int = 4, part_windows: int | None = None,
+                other_mode: str = "reuse", refresh: int = 4, part_windows: int | None = None, swa_pass: bool = False,
                 log: Callable[[str], None] = print) -> PlanSearchResult:
     """Greedy plan search (module docstring) down to ``kv_budget`` elements per token at
-    ``context`` tokens. Also scores the uniform plan with as many full layers as the chosen one."""
+    ``context`` tokens. Also scores the uniform plan with as many full layers as the chosen one;
+    with ``swa_pass``, then tries the chosen plan's readers as ``swa`` (:meth:`PlanBank.swa_pass`)."""
     from .csa2 import dense_layer_specs
 
     dense_specs = dense_layer_specs(model)
@@ -285,6 +316,8 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict
     elif layers:
         result.uniform = PlanPoint(layers, bank.modes(layers), bank.kv_elements_per_token(layers, context),
                                    bank.calib_ppl(layers))
+    if swa_pass:
+        result.swa_pass = bank.swa_pass(result.chosen, log)
     result.evaluations = bank.evaluations
     return result
 
@@ -317,6 +350,9 @@ def format_curve(result: PlanSearchResult) -> str:
             for k, p in enumerate(result.path)]
     if result.uniform is not None:
         rows.append(("uniform", result.uniform, ""))
+    if result.swa_pass is not None:
+        swa = [i for i, m in enumerate(result.swa_pass.modes) if m == "swa" and result.chosen.modes[i] != "swa"]
+        rows.append((f"chosen + swa at {','.join(map(str, swa)) or 'none'}", result.swa_pass, ""))
     for name, p, best in rows:
         full = ",".join(map(str, p.full_layers)) or "-"
         lines.append(f"| {name} | {full} | {p.kv_elements_per_token:.1f} | "

@@ -189,6 +189,28 @@ def test_search_walks_down_to_the_budget():
         search_plan(src, windows(4), windows(2, seed=4), bank_kw, kv_budget=1.0, context=64, log=lambda m: None)
 
 
+def test_swa_pass_keeps_only_improving_swa_layers():
+    torch.manual_seed(0)
+    src = tiny_model("llama", num_layers=5)
+    bank = PlanBank(src, windows(4), windows(2, seed=4), dict(CSA2_KW))
+    full = [1, 3]
+    start = PlanPoint(full, bank.modes(full), bank.kv_elements_per_token(full, 64), bank.calib_ppl(full))
+    log = []
+    out = bank.swa_pass(start, log.append)
+    assert len(log) == 2  # layers 2 and 4 read; layer 0 is swa already
+    assert out.full_layers == full and out.kv_elements_per_token == start.kv_elements_per_token
+    assert all(a == b or (a == "reuse" and b == "swa") for a, b in zip(start.modes, out.modes))
+    assert out.calib_ppl <= start.calib_ppl
+    assert out.calib_ppl == pytest.approx(bank.score_modes(out.modes), rel=1e-6)  # the kept plan really scores so
+    assert sum("(kept)" in line for line in log) == sum(a != b for a, b in zip(start.modes, out.modes))
+    with pytest.raises(ValueError, match="allowed in this bank: full, swa, reuse"):
+        bank.install_modes(["swa", "full", "reindex", "full", "reuse"])
+    # the keep rule, on a score where swa helps at layer 2 and hurts at layer 4
+    bank.score_modes = lambda modes: 10.0 - (modes[2] == "swa") + (modes[4] == "swa")
+    out = bank.swa_pass(PlanPoint(full, bank.modes(full), 1.0, 10.0), log=lambda m: None)
+    assert out.modes == ["swa", "full", "swa", "full", "reuse"] and out.calib_ppl == 9.0
+
+
 def test_plan_cli_writes_a_plan_that_converts(tmp_path, capsys):
     save_tiny_source("llama", tmp_path / "src", num_layers=4)
     text = " ".join(f"Record {i}: sensor {i % 17} reported value {i * 13 % 97} at step {i}." for i in range(400))
@@ -199,10 +221,10 @@ def test_plan_cli_writes_a_plan_that_converts(tmp_path, capsys):
     (tmp_path / "base.yaml").write_text(yaml.safe_dump(base))
     out = tmp_path / "chosen.yaml"
     args = ["plan", str(tmp_path / "src"), "--kv-budget", "1/3", "--plan", str(tmp_path / "base.yaml"),
-            "--out", str(out), "--context", "64"]
+            "--out", str(out), "--context", "64", "--swa-pass"]
     assert cli_main(args) == 0
     table = capsys.readouterr().out
-    assert "| step 0 |" in table and "| uniform |" in table
+    assert "| step 0 |" in table and "| uniform |" in table and "| chosen + swa at " in table
     text = out.read_text()
     assert text.startswith("# CSA2 layer plan chosen by: hf-csa2 plan")
     plan = ConversionPlan.from_yaml(out)
@@ -211,5 +233,5 @@ def test_plan_cli_writes_a_plan_that_converts(tmp_path, capsys):
     # bad input: named before any work
     assert cli_main(args) == 2  # --out exists
     assert "exists" in capsys.readouterr().err
-    assert cli_main(args[:3] + ["lots"] + args[4:-4] + ["--out", str(tmp_path / "x.yaml")]) == 2
+    assert cli_main(args[:3] + ["lots"] + args[4:-5] + ["--out", str(tmp_path / "x.yaml")]) == 2
     assert "--kv-budget 'lots'" in capsys.readouterr().err
