@@ -17,6 +17,9 @@ and masks), plus two fields of ours:
   ``top_k``, ``index_heads``; ``reuse`` has ``source``.
 * ``mla_attention_path`` -- how MLA layers compute: ``"auto"`` (explicit up-projection for
   prefill, absorbed for one-token decode steps), ``"explicit"`` or ``"absorbed"``.
+* ``csa2_read_path`` -- how CSA2 layers read their selected entries: ``"gather"`` (the
+  reference, O(T * (K + W)) memory) or ``"scores"`` (full logits then pick; O(T * S) memory,
+  faster on short sequences); see ``sparse_attention.py``.
 
 This file must import only torch/transformers and its siblings: it is copied next to the
 weights so that ``trust_remote_code=True`` loads a checkpoint without hf_csa2 installed.
@@ -34,6 +37,7 @@ ATTENTION_KINDS = ("dense", "mla", "csa2")
 CSA2_MODES = ("swa", "full", "reindex", "reuse")
 QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
 MLA_ATTENTION_PATHS = ("auto", "explicit", "absorbed")
+CSA2_READ_PATHS = ("gather", "scores")
 
 # Keys of ours or of the serialisation machinery; everything else in the flattened dict
 # belongs to the base architecture's config.
@@ -43,6 +47,7 @@ _OWN_KEYS = frozenset(
         "base_model_type",
         "attention_layers",
         "mla_attention_path",
+        "csa2_read_path",
         "auto_map",
         "architectures",
         "transformers_version",
@@ -209,6 +214,7 @@ class Csa2Config(PreTrainedConfig):
     base_model_type: str = "llama"
     attention_layers: list | None = None
     mla_attention_path: str = "auto"
+    csa2_read_path: str = "gather"
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -235,6 +241,8 @@ class Csa2Config(PreTrainedConfig):
             ])
         if self.mla_attention_path not in MLA_ATTENTION_PATHS:
             raise ValueError(f"mla_attention_path={self.mla_attention_path!r}; allowed: {', '.join(MLA_ATTENTION_PATHS)}")
+        if self.csa2_read_path not in CSA2_READ_PATHS:
+            raise ValueError(f"csa2_read_path={self.csa2_read_path!r}; allowed: {', '.join(CSA2_READ_PATHS)}")
 
     @classmethod
     def from_base_config(cls, base_config: PreTrainedConfig, attention_layers: list[dict]) -> "Csa2Config":

@@ -43,6 +43,11 @@ from .latent_attention import Csa2LatentAttention
 from .sparse_attention import SparseSegment, sparse_sink_attention, window_index
 
 
+def read_path(config) -> str:
+    """How this model's CSA2 layers read their entries (``csa2_read_path``; configs built before it: gather)."""
+    return getattr(config, "csa2_read_path", "gather") or "gather"
+
+
 def cache_layer(cache, layer_idx: int, layer_type: type, **kwargs):
     """The cache layer of ``layer_idx``, replaced by a fresh ``layer_type(**kwargs)`` when the
     cache was built without knowing this layer's needs (it must still be empty then)."""
@@ -186,7 +191,7 @@ class Csa2FullAttention(Csa2LatentAttention):
         if self.num_rope_heads == 1 and k_scale is None:
             k = k[:, :1]  # every KV head reads the same entries: keep one group
         segment = SparseSegment(q.transpose(1, 2), k.transpose(1, 2), latent1.transpose(1, 2), index)
-        (out_lat,), _ = sparse_sink_attention([segment], scaling=self.scaling, sinks=self.sinks)
+        (out_lat,), _ = sparse_sink_attention([segment], scaling=self.scaling, sinks=self.sinks, path=read_path(self.config))
         out = torch.einsum("bthr,hdr->bthd", out_lat, v_up[self.kv_of_query])  # [B, T, HQ, D]
         self.scratch = {
             "latent": latent, "rope": rope_part, "index_keys": index_keys, "top_k": top,
@@ -300,7 +305,7 @@ class Csa2WindowAttention(Csa2Attention):
         built from positions (causal, unpadded)."""
         b, t, _ = hidden_states.shape
         segments, v_up = self.read_segments(hidden_states, position_embeddings, cache)
-        outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks)
+        outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks, path=read_path(self.config))
         out = outs[0]
         if v_up is not None:
             out = out + torch.einsum("bthr,hdr->bthd", outs[1], v_up)
@@ -310,7 +315,8 @@ class Csa2WindowAttention(Csa2Attention):
     def entry_share(self, hidden_states, position_embeddings) -> torch.Tensor:
         """Share of each query's attention that goes to the shared entries [B, T, HQ] (no cache)."""
         segments, _ = self.read_segments(hidden_states, position_embeddings, None)
-        _, weights = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks, return_weights=True)
+        _, weights = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks, return_weights=True,
+                                           path=read_path(self.config))
         return weights[..., segments[0].index.shape[-1]:].sum(-1)
 
     def read_segments(self, hidden_states, position_embeddings, cache=None):

@@ -11,6 +11,12 @@ Memory and time are O(T * N * D) per head for N selected entries per query: the 
 keys/values are gathered, no T x S score matrix or mask is ever formed. fp32 softmax at
 least; plain torch ops, so autograd works (gradients flow to queries, keys, values, sinks).
 
+``path="scores"`` computes the same read another way: every query's logits against the whole
+store (one matmul), then the selected ones picked out, and the read-out as a matmul with the
+weights scattered back into the store's rows. O(T * S) memory, but on short stores (S a few
+times N, e.g. calibration windows) much faster on CPU than gathering N entries of width D per
+query. Same results to fp32 rounding (tested against each other).
+
 Shapes (one segment):
     query  [B, T, H, Dk]       H query heads
     keys   [B, S, G, Dk]       G key groups, G divides H (head h reads group h // (H / G));
@@ -65,6 +71,32 @@ def segment_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
     return (logits * scaling).masked_fill(segment.index[:, :, None, :] < 0, float("-inf"))
 
 
+READ_PATHS = ("gather", "scores")
+
+
+def scored_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
+    """:func:`segment_logits` from the full score matrix: logits against every store row, then
+    the indexed ones picked out ([B, T, H, N], -inf where the index is -1)."""
+    q = segment.query
+    b, t, h, d = q.shape
+    g = segment.keys.shape[2]
+    full = torch.einsum("btgrd,bsgd->btgrs", q.view(b, t, g, h // g, d), segment.keys).reshape(b, t, h, -1)
+    index = segment.index.clamp(min=0)[:, :, None, :].expand(b, t, h, -1)
+    return (full.gather(-1, index) * scaling).masked_fill(segment.index[:, :, None, :] < 0, float("-inf"))
+
+
+def scattered_read(weights: torch.Tensor, segment: SparseSegment) -> torch.Tensor:
+    """:func:`grouped_read` of the indexed values, as a matmul: weights [B, T, H, N] summed into
+    their store rows (repeated indices add up; padding carries weight 0) -> [B, T, H, Dv]."""
+    b, t, h, n = weights.shape
+    values = segment.values
+    s, g = values.shape[1], values.shape[2]
+    index = segment.index.clamp(min=0)[:, :, None, :].expand(b, t, h, n)
+    dense = weights.new_zeros(b, t, h, s).scatter_add_(-1, index, weights)
+    out = torch.einsum("btgrs,bsgd->btgrd", dense.view(b, t, g, h // g, s), values.to(weights.dtype))
+    return out.reshape(b, t, h, -1)
+
+
 def sparse_sink_attention(
     segments: list[SparseSegment],
     *,
@@ -72,6 +104,7 @@ def sparse_sink_attention(
     sinks: torch.Tensor | None = None,
     return_weights: bool = False,
     query_block: int = 512,
+    path: str = "gather",
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Softmax over the union of every segment's selected entries (plus the sink).
 
@@ -85,27 +118,32 @@ def sparse_sink_attention(
 
         query_block: queries processed together; rows are independent, so blocks only bound
             the memory of the gathered entries (O(block * N * D)).
+        path: ``"gather"`` (the reference: gather the selected entries) or ``"scores"`` (full
+            logits then pick; see the module docstring).
 
     Returns:
         (one output [B, T, H, Dv] per segment, weights or None). The layer's read-out is the
         sum of the segment outputs after each is mapped to a common space.
     """
+    if path not in READ_PATHS:
+        raise ValueError(f"path={path!r}; allowed: {', '.join(READ_PATHS)}")
     t = segments[0].query.shape[1]
     if t > query_block:
         parts = [
             _sparse_block([SparseSegment(s.query[:, i : i + query_block], s.keys, s.values, s.index[:, i : i + query_block])
-                           for s in segments], scaling, sinks, return_weights)
+                           for s in segments], scaling, sinks, return_weights, path)
             for i in range(0, t, query_block)
         ]
         outputs = [torch.cat([p[0][k] for p in parts], dim=1) for k in range(len(segments))]
         return outputs, (torch.cat([p[1] for p in parts], dim=1) if return_weights else None)
-    return _sparse_block(segments, scaling, sinks, return_weights)
+    return _sparse_block(segments, scaling, sinks, return_weights, path)
 
 
-def _sparse_block(segments, scaling, sinks, return_weights):
+def _sparse_block(segments, scaling, sinks, return_weights, path="gather"):
     query = segments[0].query
     compute = torch.promote_types(query.dtype, torch.float32)
-    logits = [segment_logits(s, scaling).to(compute) for s in segments]
+    logits_of = segment_logits if path == "gather" else scored_logits
+    logits = [logits_of(s, scaling).to(compute) for s in segments]
     sizes = [z.shape[-1] for z in logits]
     z = torch.cat(logits, dim=-1)  # [B, T, H, N_total]
     if sinks is not None:
@@ -121,8 +159,11 @@ def _sparse_block(segments, scaling, sinks, return_weights):
         p = p[..., :-1]
     outputs = []
     for segment, w in zip(segments, p.split(sizes, dim=-1)):
-        values = gather_entries(segment.values, segment.index)  # [B, T, N, G', Dv]
-        outputs.append(grouped_read(w, values).to(query.dtype))
+        if path == "gather":
+            read = grouped_read(w, gather_entries(segment.values, segment.index))  # gathered [B, T, N, G', Dv]
+        else:
+            read = scattered_read(w, segment)
+        outputs.append(read.to(query.dtype))
     return outputs, (p.to(query.dtype) if return_weights else None)
 
 
@@ -137,4 +178,5 @@ def window_index(query_positions: torch.Tensor, window: int, first_position: int
     return torch.where(pos >= first_position, pos - first_position, torch.full_like(pos, -1))
 
 
-__all__ = ["SparseSegment", "gather_entries", "grouped_read", "segment_logits", "sparse_sink_attention", "window_index"]
+__all__ = ["READ_PATHS", "SparseSegment", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
+           "sparse_sink_attention", "window_index"]

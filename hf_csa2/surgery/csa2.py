@@ -15,7 +15,7 @@ import torch
 from ..model import Csa2ForCausalLM
 from ..model.attention_base import rotate_half
 from ..model.configuration_hf_csa2 import CSA2_MODES
-from ..model.csa2_attention import Csa2WindowAttention
+from ..model.csa2_attention import Csa2WindowAttention, read_path
 from ..model.sparse_attention import sparse_sink_attention
 from ..training.indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
 from .layerwise import refit_output_projection
@@ -206,7 +206,8 @@ def entry_offset_readout(attn: Csa2WindowAttention, hidden: torch.Tensor, positi
     entry logit bias moved by ``d``, from ONE read at the current bias: an offset rescales the
     entries' softmax terms by e^d, so read-out = (o_own + e^d o_ent) / (w_own + e^d w_ent + w_sink)."""
     segments, v_up = attn.read_segments(hidden, position_embeddings, None)
-    outs, weights = sparse_sink_attention(segments, scaling=attn.scaling, sinks=attn.sinks, return_weights=True)
+    outs, weights = sparse_sink_attention(segments, scaling=attn.scaling, sinks=attn.sinks, return_weights=True,
+                                          path=read_path(attn.config))
     own_width = segments[0].index.shape[-1]
     w_own = weights[..., :own_width].sum(-1).double()[..., None]  # [N, T, HQ, 1]
     w_ent = weights[..., own_width:].sum(-1).double()[..., None]
@@ -406,7 +407,7 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
                windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
                sinks: bool | None = None, sink_tokens: int = 0, ridge: float = 1e-3, refit_output: bool = True,
                mla_options: dict | None = None, indexer_warmup_steps: int = 0, calibrate_mass: bool = True,
-               refine_bias: bool = False):
+               refine_bias: bool = False, fit_read_path: str = "scores"):
     """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
 
     Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
@@ -422,16 +423,22 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     ``calibrate_mass`` each reader's per-head logit bias is set so the entries get the share
     of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`);
     with ``refine_bias`` each head's bias then moves to minimise its read-out error
-    (:func:`refine_entry_bias`). The returned model carries ``fit_notes`` (one dict per layer).
+    (:func:`refine_entry_bias`). The fits read entries through ``fit_read_path`` (the
+    calibration windows are short, where ``"scores"`` is the fast exact path); the returned
+    model reads through the reference ``"gather"`` path. It carries ``fit_notes`` (one dict per layer).
     """
+    from ..model.configuration_hf_csa2 import CSA2_READ_PATHS
     from .calibration import decoder_layers
     from .layerwise import calibrate_layerwise, source_attention_outputs
 
+    if fit_read_path not in CSA2_READ_PATHS:
+        raise ValueError(f"fit_read_path={fit_read_path!r}; allowed: {', '.join(CSA2_READ_PATHS)}")
     dense = as_dense_csa2(model)
     new = build_csa2_skeleton(dense, modes, window=window, top_k=top_k, kv_lora_rank=kv_lora_rank,
                               num_rope_pairs=num_rope_pairs, windows=windows, sources=sources,
                               shared_rope_key=shared_rope_key, sinks=sinks, sink_tokens=sink_tokens,
                               mla_options=mla_options)
+    new.config.csa2_read_path = fit_read_path
     opts = Csa2FitOptions(window=window, top_k=top_k, ridge=ridge, refit_output=refit_output,
                           indexer_warmup_steps=indexer_warmup_steps, calibrate_mass=calibrate_mass,
                           refine_bias=refine_bias)
@@ -442,6 +449,7 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
         return fit_csa2_layer(attn, dense_layers[i].self_attn, hidden, attn_kwargs, targets[i], opts)
 
     new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
+    new.config.csa2_read_path = "gather"
     return new.eval()
 
 __all__ = ["Csa2FitOptions", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",

@@ -82,4 +82,72 @@ def refit_output_projection(attn, hidden: torch.Tensor, attn_kwargs: dict, targe
     return {"rel_err_before": before, "rel_err_after": after}
 
 
-__all__ = ["calibrate_layerwise", "refit_output_projection", "source_attention_outputs"]
+def _take_windows(attn_kwargs: dict, idx: torch.Tensor, n: int) -> dict:
+    """The attention kwargs for windows ``idx`` (tensors with a leading batch of ``n`` are indexed)."""
+
+    def take(value):
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n and n > 1:
+            return value[idx]
+        if isinstance(value, tuple):
+            return tuple(take(v) for v in value)
+        return value
+
+    return {k: take(v) for k, v in attn_kwargs.items() if k in ("position_embeddings", "attention_mask")}
+
+
+def refine_layer_output(attn, hidden: torch.Tensor, attn_kwargs: dict, target: torch.Tensor,
+                        parameters: list[torch.nn.Parameter], *, steps: int = 100, lr: float = 1e-4,
+                        batch: int = 4, holdout: int = 2, every: int = 10, seed: int = 0) -> dict[str, float]:
+    """Gradient refinement of ``parameters`` so the layer reproduces ``target`` (after a closed-form init).
+
+    Adam on the relative squared error ``|o_proj(attention_output(x)) - y|^2 / |y|^2`` over
+    mini-batches of ``batch`` calibration windows (``hidden`` [N, T, hidden], ``target`` [N, T,
+    hidden]); the last ``holdout`` windows are never trained on and decide which state is kept
+    (checked every ``every`` steps, the starting state included), so the refinement cannot
+    make the layer worse on windows it did not see. This is the non-linear objective the closed
+    forms only approximate (the softmax between key error and output error).
+    Returns the held-out relative error at the start and of the kept state, and the kept step.
+    """
+    n = hidden.shape[0]
+    if not 0 < holdout < n:
+        raise ValueError(f"holdout={holdout}; allowed: 1..{n - 1} (there are {n} calibration windows)")
+    train, held = torch.arange(n - holdout), torch.arange(n - holdout, n)
+    held_kwargs = _take_windows(attn_kwargs, held, n)
+
+    def rel_err(idx, kwargs):
+        a, _ = attn.attention_output(hidden[idx], kwargs["position_embeddings"], kwargs.get("attention_mask"))
+        y = target[idx]
+        return (attn.o_proj(a) - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-30)
+
+    requires = [p.requires_grad for p in parameters]
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        start = best = rel_err(held, held_kwargs).item()
+    best_state, best_step = [p.detach().clone() for p in parameters], 0
+    opt = torch.optim.Adam(parameters, lr=lr)
+    try:
+        for p in parameters:
+            p.requires_grad_(True)
+        for step in range(1, steps + 1):
+            idx = train[torch.randperm(len(train), generator=gen)[:batch]]
+            with torch.enable_grad():
+                loss = rel_err(idx, _take_windows(attn_kwargs, idx, n))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            opt.step()
+            if step % every == 0 or step == steps:
+                with torch.no_grad():
+                    err = rel_err(held, held_kwargs).item()
+                if err < best:
+                    best, best_step = err, step
+                    best_state = [p.detach().clone() for p in parameters]
+    finally:
+        with torch.no_grad():
+            for p, saved, req in zip(parameters, best_state, requires):
+                p.copy_(saved)
+                p.requires_grad_(req)
+                p.grad = None
+    return {"refine_heldout_err_before": start, "refine_heldout_err_after": best, "refine_kept_step": best_step}
+
+
+__all__ = ["calibrate_layerwise", "refine_layer_output", "refit_output_projection", "source_attention_outputs"]

@@ -51,7 +51,7 @@ from ..model.latent_attention import Csa2LatentAttention, rope_dim_indices
 from ..model.sink_attention import masked_logits
 from .calibration import augmented_moment, decoder_layers, run_with_attention_hooks
 from .gqa import _augment, _split, has_qk_norm
-from .layerwise import calibrate_layerwise, refit_output_projection, source_attention_outputs
+from .layerwise import calibrate_layerwise, refine_layer_output, refit_output_projection, source_attention_outputs
 from .rebuild import is_csa2, native_specs, to_csa2
 
 ROPE_CRITERIA = ("perturbation", "norm")
@@ -583,7 +583,7 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
               shared_rope_key: bool = False, refit_output: bool = True, ridge: float = 0.3,
               splits: list[RopeSplit] | None = None, latent_norm: bool = False, uniform_rope: bool = False,
               averaged_values: bool = False, drop_fast_terms: bool = False, uneven_ranks: bool = False,
-              only_layers: list[int] | None = None):
+              only_layers: list[int] | None = None, refine_steps: int = 0, refine_lr: float = 1e-4):
     """Return a copy of ``model`` (native or hf_csa2 with dense layers) with MLA layers.
 
     Args:
@@ -607,6 +607,9 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
             :func:`allocate_ranks` (same total cache).
         only_layers: convert only these layers (e.g. the full layers of a CSA2 plan); the
             others stay dense and unchanged.
+        refine_steps: after the closed-form fit, Adam steps on each layer's output error
+            (:func:`refine_layer_output`, all the layer's parameters, learning rate
+            ``refine_lr``; the state kept is the best on held-out calibration windows).
     The returned model carries ``fit_notes`` (per-layer dicts) and ``rope_splits``.
     """
     if rope_criterion not in ROPE_CRITERIA:
@@ -710,6 +713,9 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
         notes = {"balance": best[1], "rel_err": best[0]}
         if refit_output:
             notes.update(refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=ridge))
+        if refine_steps:
+            notes.update(refine_layer_output(attn, hidden, attn_kwargs, targets[i], list(attn.parameters()),
+                                             steps=refine_steps, lr=refine_lr))
         return notes
 
     new.fit_notes = calibrate_layerwise(new, windows, fit_layer)

@@ -98,7 +98,7 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
     new = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation=mla.init,
                     latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
                     averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms,
-                    uneven_ranks=mla.uneven_ranks, **kwargs)
+                    uneven_ranks=mla.uneven_ranks, refine_steps=mla.refine_steps, refine_lr=mla.refine_lr, **kwargs)
     notes: dict = {"init": mla.init, "rope_key": mla.rope_key, "rope_criterion": mla.rope_criterion}
     if mla.uneven_ranks:
         notes["kv_lora_ranks"] = [s["kv_lora_rank"] for s in new.config.attention_layers]
@@ -107,6 +107,9 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
         notes["attn_out_rel_err_before_refit"] = sum(f["rel_err"] for f in fits) / len(fits)
         if mla.refit_output:
             notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in fits) / len(fits)
+        if mla.refine_steps:
+            for key in ("refine_heldout_err_before", "refine_heldout_err_after"):
+                notes[key] = sum(f[key] for f in fits) / len(fits)
     if mla.compare_weight_svd and mla.init != "weight_svd" and calib.score.shape[0]:
         # Same rope slots, plain SVD latent (no latent norm), no refit: the baseline the init must beat.
         baseline = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation="weight_svd",

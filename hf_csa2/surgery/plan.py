@@ -67,6 +67,8 @@ class MlaPlan:
     compare_weight_svd: bool = True  # also score the plain weight-SVD init in the stage report
     refit_output: bool = True  # least-squares refit of o_proj to the source's attention output
     ridge: float = 0.3
+    refine_steps: int = 0  # then Adam steps per layer on its output error (best state on held-out windows kept)
+    refine_lr: float = 1e-4
 
 
 @dataclass
@@ -217,6 +219,12 @@ class ConversionPlan:
                 raise PlanError(f"mla.{name}={getattr(mla, name)!r}; allowed: {', '.join(allowed)}")
         if not isinstance(mla.ridge, (int, float)) or mla.ridge <= 0:
             raise PlanError(f"mla.ridge={mla.ridge!r}; allowed: a positive number")
+        if not isinstance(mla.refine_steps, int) or isinstance(mla.refine_steps, bool) or mla.refine_steps < 0:
+            raise PlanError(f"mla.refine_steps={mla.refine_steps!r}; allowed: an integer >= 0")
+        if not isinstance(mla.refine_lr, (int, float)) or isinstance(mla.refine_lr, bool) or mla.refine_lr <= 0:
+            raise PlanError(f"mla.refine_lr={mla.refine_lr!r}; allowed: a positive number")
+        if mla.refine_steps and mla.init == "weight_svd":
+            raise PlanError("mla.refine_steps needs init: activation_aware (weight_svd is the calibration-free baseline)")
 
     def _validate_csa2(self) -> None:
         c = self.csa2

@@ -178,6 +178,8 @@ class PlanBank:
                                    refine_bias=self.kwargs.get("refine_bias", False))
         log(f"plan search: fitting the all-full model ({self.num_layers} layers)")
         self.model = apply_csa2(self.dense, ["full"] * self.num_layers, windows=fit, **self.kwargs)
+        # Calibration windows are short: read through the fast exact path (same results to rounding).
+        self.model.config.csa2_read_path = "scores"
         self.full_specs = [dict(s) for s in self.model.config.attention_layers]
         self.full_modules = [layer.self_attn for layer in decoder_layers(self.model)]
         self.dense_modules = [layer.self_attn for layer in decoder_layers(self.dense)]

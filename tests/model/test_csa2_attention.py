@@ -80,6 +80,26 @@ def test_swa_layer_with_the_source_window_equals_the_source(arch):
         assert (model(x).logits - src(x).logits).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_read_paths_give_the_same_logits_for_every_mode(arch):
+    """csa2_read_path "scores" (full logits then pick) is the reference "gather" read, computed
+    another way: same logits for a plan with every mode, prefill and decode."""
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, sink_tokens=2)
+    x = ids(length=17)
+    with torch.no_grad():
+        gathered = model(x).logits
+        model.config.csa2_read_path = "scores"
+        scored = model(x).logits
+        decoded, _ = incremental_logits(model, x, [5, 1, 6, 5])
+    assert (gathered - scored).abs().max() <= 1e-5
+    assert (decoded - gathered).abs().max() <= 1e-4
+
+
+def test_unknown_read_path_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="csa2_read_path='dense'; allowed: gather, scores"):
+        Csa2Config(**{**make_config(base_specs()).to_dict(), "csa2_read_path": "dense"})
+
+
 # -- cache consistency ---------------------------------------------------------------------
 
 
