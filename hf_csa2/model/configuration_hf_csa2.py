@@ -2,7 +2,7 @@
 
 The config is the source architecture's config, flattened (so ``config.vocab_size``,
 ``config.layer_types``, ``config.rope_parameters``... keep working for generation, caches
-and masks), plus two fields of ours:
+and masks), plus fields of ours:
 
 * ``base_model_type`` -- the transformers ``model_type`` of the source (``"llama"``,
   ``"qwen2"``, ``"qwen3"``, ``"mistral"``, ``"gemma3_text"``). The modeling code builds that

@@ -137,7 +137,8 @@ def csa2_arguments(plan: ConversionPlan) -> dict:
         indexer_warmup_steps=c.indexer_warmup_steps, refine_bias=c.refine_entry_bias,
         mla_options=dict(rope_criterion=mla.rope_criterion, factorisation=mla.init, refit_output=mla.refit_output,
                          ridge=mla.ridge, latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
-                         averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms),
+                         averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms,
+                         refine_steps=mla.refine_steps, refine_lr=mla.refine_lr),
     )
 
 
