@@ -102,9 +102,10 @@ def refine_layer_output(attn, hidden: torch.Tensor, attn_kwargs: dict, target: t
 
     Adam on the relative squared error ``|o_proj(attention_output(x)) - y|^2 / |y|^2`` over
     mini-batches of ``batch`` calibration windows (``hidden`` [N, T, hidden], ``target`` [N, T,
-    hidden]); the last ``holdout`` windows are never trained on and decide which state is kept
-    (checked every ``every`` steps, the starting state included), so the refinement cannot
-    make the layer worse on windows it did not see. This is the non-linear objective the closed
+    hidden]); the last ``holdout`` windows are never used by the Adam steps and decide which
+    state is kept (checked every ``every`` steps, the starting state included), so the
+    refinement cannot make the layer worse on windows it did not train on (the closed-form
+    init before it did see them). This is the non-linear objective the closed
     forms only approximate (the softmax between key error and output error).
     Returns the held-out relative error at the start and of the kept state, and the kept step.
     """
