@@ -225,6 +225,11 @@ class ConversionPlan:
             raise PlanError(f"mla.refine_lr={mla.refine_lr!r}; allowed: a positive number")
         if mla.refine_steps and mla.init == "weight_svd":
             raise PlanError("mla.refine_steps needs init: activation_aware (weight_svd is the calibration-free baseline)")
+        fit_windows = self.calibration.num_tokens // self.calibration.seq_len
+        if mla.refine_steps and fit_windows < 3:
+            raise PlanError(f"mla.refine_steps needs at least 3 calibration windows (2 are held out to pick the kept "
+                            f"state); calibration.num_tokens={self.calibration.num_tokens} / seq_len="
+                            f"{self.calibration.seq_len} gives {fit_windows}")
 
     def _validate_csa2(self) -> None:
         c = self.csa2

@@ -256,3 +256,10 @@ def test_bad_mla_plans_fail_before_loading(mla, arch, message):
     with pytest.raises(PlanError, match=message):
         plan = ConversionPlan.from_dict({"mla": mla})
         plan.validate_for(tiny_model(arch).config)
+
+
+def test_refinement_needs_three_calibration_windows_before_loading():
+    with pytest.raises(PlanError, match="at least 3 calibration windows.*gives 2"):
+        plan = ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4, "refine_steps": 5},
+                                         "calibration": {"num_tokens": 128, "seq_len": 64}})
+        plan.validate_for(tiny_model("llama").config)
