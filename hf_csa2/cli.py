@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -439,6 +440,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # recorded in reports so they can be reproduced
+    progress = logging.StreamHandler(sys.stderr)
+    progress.setFormatter(logging.Formatter("%(message)s"))
+    package_logger = logging.getLogger("hf_csa2")
+    if not package_logger.handlers:
+        package_logger.addHandler(progress)
+    package_logger.setLevel(logging.INFO)
     from .data.corpus import CorpusError
     from .export.deepseek_v3 import ExportError
     from .surgery.pipeline import OutputExistsError

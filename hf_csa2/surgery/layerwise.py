@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from ..training.held_out import BestState
 from .calibration import run_with_attention_hooks
 
 
@@ -123,8 +124,7 @@ def refine_layer_output(attn, hidden: torch.Tensor, attn_kwargs: dict, target: t
     requires = [p.requires_grad for p in parameters]
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        start = best = rel_err(held, held_kwargs).item()
-    best_state, best_step = [p.detach().clone() for p in parameters], 0
+        kept = BestState(parameters, rel_err(held, held_kwargs).item())
     opt = torch.optim.Adam(parameters, lr=lr)
     try:
         for p in parameters:
@@ -138,17 +138,12 @@ def refine_layer_output(attn, hidden: torch.Tensor, attn_kwargs: dict, target: t
             opt.step()
             if step % every == 0 or step == steps:
                 with torch.no_grad():
-                    err = rel_err(held, held_kwargs).item()
-                if err < best:
-                    best, best_step = err, step
-                    best_state = [p.detach().clone() for p in parameters]
+                    kept.offer(rel_err(held, held_kwargs).item(), step)
     finally:
-        with torch.no_grad():
-            for p, saved, req in zip(parameters, best_state, requires):
-                p.copy_(saved)
-                p.requires_grad_(req)
-                p.grad = None
-    return {"refine_heldout_err_before": start, "refine_heldout_err_after": best, "refine_kept_step": best_step}
+        kept.restore()
+        for p, req in zip(parameters, requires):
+            p.requires_grad_(req)
+    return {"refine_heldout_err_before": kept.start, "refine_heldout_err_after": kept.best, "refine_kept_step": kept.step}
 
 
 __all__ = ["calibrate_layerwise", "refine_layer_output", "refit_output_projection", "source_attention_outputs"]

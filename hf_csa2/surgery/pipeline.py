@@ -9,6 +9,7 @@ KV-cache elements per token from a live cache, giving the stage report.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -23,6 +24,7 @@ from ..data.corpus import resolve_text
 from ..evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
 from ..evals.ppl import mean_nll, token_windows
 from ..model import SUPPORTED_BASE_MODEL_TYPES
+from ..training.distill import distill_to_source
 from .csa2 import apply_csa2
 from .gqa import apply_gqa, has_qk_norm
 from .mla import apply_mla
@@ -30,6 +32,9 @@ from .plan import ConversionPlan, PlanError
 from .rebuild import is_csa2, to_native
 from .sinks import add_sinks, calibrate_sinks
 from .sources import SourceError, load_source, resolve_source
+
+
+logger = logging.getLogger(__name__)  # long stages report progress here (the CLI shows INFO on stderr)
 
 
 class OutputExistsError(FileExistsError):
@@ -48,10 +53,13 @@ class StageReport:
 
 @dataclass
 class Calibration:
-    """Calibration token windows: ``fit`` [N, T] for statistics, ``score`` [M, T] for reports."""
+    """Calibration token windows: ``fit`` [N, T] for statistics, ``score`` [M, T] for reports,
+    ``distill`` [K, T] for the distillation stage (None without one); ``score`` never overlaps
+    the others, ``distill`` starts with the ``fit`` windows."""
 
     fit: torch.Tensor
     score: torch.Tensor
+    distill: torch.Tensor | None = None
 
 
 @dataclass
@@ -167,7 +175,17 @@ def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) ->
     return new, notes
 
 
-STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("mla", mla_stage), ("sinks", sinks_stage), ("csa2", csa2_stage)]
+def distill_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
+    """Train the converted model toward the source's next-token distributions (see
+    :mod:`hf_csa2.training.distill`); in place, the source is only read."""
+    d = plan.distill
+    notes = distill_to_source(model, source_model, calib.distill, steps=d.steps, lr=d.lr, batch=d.batch,
+                              holdout=d.holdout, every=d.every, trainable=d.trainable, log=logger.info)
+    return model, {"trainable": d.trainable, "windows": int(calib.distill.shape[0]), **notes}
+
+
+STAGES: list[tuple[str, Callable]] = [("gqa", gqa_stage), ("mla", mla_stage), ("sinks", sinks_stage), ("csa2", csa2_stage),
+                                      ("distill", distill_stage)]
 
 
 # -- driver -----------------------------------------------------------------------------
@@ -251,10 +269,18 @@ def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None]
     model = loaded.model.eval()
     model.config._attn_implementation = model.config._attn_implementation or "sdpa"
     cal = plan.calibration
-    windows = token_windows(loaded.tokenizer, text_path, cal.seq_len, cal.num_tokens // cal.seq_len + cal.eval_windows)
+    fit_windows = cal.num_tokens // cal.seq_len
+    distill_windows = plan.distill.num_tokens // cal.seq_len if plan.distill is not None else 0
+    windows = token_windows(loaded.tokenizer, text_path, cal.seq_len, max(fit_windows, distill_windows) + cal.eval_windows)
     if windows.shape[0] <= cal.eval_windows:
         raise PlanError(f"calibration text {str(text_path)!r} gives only {windows.shape[0]} windows of {cal.seq_len} tokens")
-    calib = Calibration(fit=windows[cal.eval_windows :], score=windows[: cal.eval_windows])
+    if distill_windows and windows.shape[0] < cal.eval_windows + distill_windows:
+        raise PlanError(f"calibration text {str(text_path)!r} gives {windows.shape[0]} windows of {cal.seq_len} tokens; "
+                        f"distill.num_tokens={plan.distill.num_tokens} needs {cal.eval_windows + distill_windows} "
+                        "(with the scoring windows)")
+    rest = windows[cal.eval_windows :]
+    calib = Calibration(fit=rest[:fit_windows], score=windows[: cal.eval_windows],
+                        distill=rest[:distill_windows] if distill_windows else None)
     log(f"loaded {source} ({kind}) in {time.perf_counter() - t0:.1f}s; calibration: {calib.fit.shape[0]}x{cal.seq_len} tokens")
     return PreparedSource(loaded=loaded, model=model, calib=calib, kind=kind, config=config)
 

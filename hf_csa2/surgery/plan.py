@@ -29,6 +29,7 @@ MLA_ROPE_CRITERIA = ("perturbation", "norm")
 SINK_INITS = ("calibrated", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 CSA2_MODES = ("swa", "full", "reindex", "reuse")  # the model config's list (kept import-free here)
+DISTILL_TRAINABLE = ("attention", "all")  # hf_csa2.training.distill.TRAINABLE (kept import-free here)
 
 
 class PlanError(ValueError):
@@ -109,6 +110,25 @@ class SinksPlan:
 
 
 @dataclass
+class DistillPlan:
+    """After the surgery stages: Adam on KL(source || converted) of the next-token
+    distributions over calibration windows (the source's predictions are the only targets).
+
+    ``num_tokens`` of calibration text (in windows of ``calibration.seq_len``, after the
+    report's scoring windows) of which the last ``holdout`` windows are never trained on and
+    decide which state is kept (the converted start included).
+    """
+
+    steps: int = 200
+    lr: float = 1e-4
+    batch: int = 4  # windows per step
+    num_tokens: int = 32768
+    holdout: int = 4  # windows
+    every: int = 10  # held-out check every N steps
+    trainable: str = "attention"  # "attention": only the rewritten attention modules; "all": all but embeddings/head
+
+
+@dataclass
 class CalibrationPlan:
     """Text used to fit inits and to score each stage."""
 
@@ -120,13 +140,14 @@ class CalibrationPlan:
 
 @dataclass
 class ConversionPlan:
-    """A full conversion: optional GQA/MQA, optional MLA, optional sinks, calibration settings
-    (stages run in that order)."""
+    """A full conversion: optional GQA/MQA, optional MLA, optional sinks, optional CSA2, optional
+    distillation toward the source, calibration settings (stages run in that order)."""
 
     gqa: GqaPlan | None = None
     mla: MlaPlan | None = None
     sinks: SinksPlan | None = None
     csa2: Csa2Plan | None = None
+    distill: DistillPlan | None = None
     calibration: CalibrationPlan = field(default_factory=CalibrationPlan)
     dtype: str = "float32"
 
@@ -151,6 +172,8 @@ class ConversionPlan:
                 kwargs["sinks"] = _build(SinksPlan, sinks, "sinks")
         if data.get("csa2") is not None:
             kwargs["csa2"] = _build(Csa2Plan, data["csa2"], "csa2")
+        if data.get("distill") is not None:
+            kwargs["distill"] = _build(DistillPlan, data["distill"], "distill")
         if data.get("calibration") is not None:
             kwargs["calibration"] = _build(CalibrationPlan, data["calibration"], "calibration")
         if "dtype" in data:
@@ -195,6 +218,8 @@ class ConversionPlan:
             self._validate_csa2()
         if self.sinks is not None and self.sinks.init not in SINK_INITS:
             raise PlanError(f"sinks.init={self.sinks.init!r}; allowed: {', '.join(SINK_INITS)}")
+        if self.distill is not None:
+            self._validate_distill()
         cal = self.calibration
         for name in ("num_tokens", "seq_len", "eval_windows"):
             value = getattr(cal, name)
@@ -230,6 +255,24 @@ class ConversionPlan:
             raise PlanError(f"mla.refine_steps needs at least 3 calibration windows (2 are held out to pick the kept "
                             f"state); calibration.num_tokens={self.calibration.num_tokens} / seq_len="
                             f"{self.calibration.seq_len} gives {fit_windows}")
+
+    def _validate_distill(self) -> None:
+        d = self.distill
+        for name, low in (("steps", 1), ("batch", 1), ("num_tokens", 1), ("holdout", 1), ("every", 1)):
+            value = getattr(d, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise PlanError(f"distill.{name}={value!r}; allowed: an integer >= {low}")
+        if not isinstance(d.lr, (int, float)) or isinstance(d.lr, bool) or d.lr <= 0:
+            raise PlanError(f"distill.lr={d.lr!r}; allowed: a positive number")
+        if d.trainable not in DISTILL_TRAINABLE:
+            raise PlanError(f"distill.trainable={d.trainable!r}; allowed: {', '.join(DISTILL_TRAINABLE)}")
+        if self.gqa is None and self.mla is None and self.csa2 is None and self.sinks is None:
+            raise PlanError("distill needs a surgery stage before it (gqa, mla, sinks or csa2): there is nothing to distill")
+        windows = d.num_tokens // self.calibration.seq_len
+        if windows <= d.holdout:
+            raise PlanError(f"distill.num_tokens={d.num_tokens} gives {windows} windows of calibration.seq_len="
+                            f"{self.calibration.seq_len}, not more than distill.holdout={d.holdout}; allowed: "
+                            f"num_tokens >= {(d.holdout + 1) * self.calibration.seq_len}")
 
     def _validate_csa2(self) -> None:
         c = self.csa2
@@ -313,7 +356,7 @@ class ConversionPlan:
 
     @property
     def is_noop(self) -> bool:
-        return self.gqa is None and self.mla is None and self.sinks is None and self.csa2 is None
+        return self.gqa is None and self.mla is None and self.sinks is None and self.csa2 is None and self.distill is None
 
 
 def _reject_unknown(data: dict, cls, where: str) -> None:
@@ -334,5 +377,5 @@ def _build(cls, data: Any, where: str):
         raise PlanError(f"{where} needs the field(s) {required}: {err}") from err
 
 
-__all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan", "GQA_INITS", "MLA_INITS",
+__all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "DistillPlan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan", "GQA_INITS", "MLA_INITS",
            "SINK_INITS"]

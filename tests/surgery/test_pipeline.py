@@ -170,6 +170,40 @@ def test_cli_convert_eval_inspect(tmp_path, text_file):
     assert hf_csa2.__version__
 
 
+def test_distill_stage_after_mla_lowers_its_held_out_kl_and_is_reported(tmp_path, text_file):
+    """A plan with mla + distill: the distill stage runs last, trains only attention parameters
+    toward the source on windows that exclude the report's scoring windows, never ends worse on
+    its held-out windows, and the saved checkpoint is the distilled model."""
+    save_tiny_source("llama", tmp_path / "src")
+    plan = plan_with(text_file, mla={"kv_lora_rank": 4, "qk_rope_head_dim": 4},
+                     distill={"steps": 20, "lr": 3e-3, "num_tokens": 640, "holdout": 2, "every": 5})
+    out = tmp_path / "out"
+    result = convert(str(tmp_path / "src"), plan, out_dir=out, log=lambda m: None)
+    stages = json.loads((out / "conversion_report.json").read_text())["stages"]
+    assert [s["stage"] for s in stages] == ["source", "mla", "distill"]
+    notes = stages[-1]["notes"]
+    assert notes["windows"] == 10 and notes["trainable"] == "attention"
+    assert notes["distill_heldout_kl_after"] <= notes["distill_heldout_kl_before"]
+    from hf_csa2.surgery.sources import load_source
+
+    reloaded = load_source(out).model
+    x = torch.randint(4, 100, (1, 12))
+    torch.testing.assert_close(reloaded(x).logits, result.model(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_calibration_windows_for_distill_exclude_the_scoring_windows(tmp_path, text_file):
+    from hf_csa2.surgery.pipeline import prepare_source
+    from hf_csa2.surgery.plan import ConversionPlan
+
+    save_tiny_source("llama", tmp_path / "src")
+    plan = ConversionPlan.from_dict(plan_with(text_file, sinks=True, distill={"num_tokens": 640, "holdout": 2}))
+    calib = prepare_source(str(tmp_path / "src"), plan, log=lambda m: None).calib
+    assert calib.fit.shape[0] == 4 and calib.score.shape[0] == 2 and calib.distill.shape[0] == 10
+    assert torch.equal(calib.distill[:4], calib.fit)
+    scored = {tuple(w.tolist()) for w in calib.score}
+    assert not scored & {tuple(w.tolist()) for w in calib.distill}
+
+
 def test_run_stages_stops_before_the_named_stage():
     """`hf-csa2 plan` searches on what the csa2 stage of `convert` gets: gqa and sinks applied."""
     from tiny_models import tiny_model

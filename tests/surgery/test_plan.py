@@ -26,6 +26,13 @@ def test_yaml_round_trip(tmp_path):
         ({"mla": {"kv_lora_rank": 64}}, ["mla", "qk_rope_head_dim"]),
         ({"mla": {"kv_lora_rank": 64, "qk_rope_head_dim": 32, "init": "svd"}}, ["mla.init", "activation_aware", "weight_svd"]),
         ({"calibration": {"num_tokens": 10, "seq_len": 512}}, ["num_tokens", "seq_len"]),
+        ({"distill": {"steps": 10}}, ["distill needs a surgery stage", "gqa, mla, sinks or csa2"]),
+        ({"sinks": True, "distill": {"steps": 0}}, ["distill.steps=0", "integer >= 1"]),
+        ({"sinks": True, "distill": {"lr": -1}}, ["distill.lr=-1", "positive number"]),
+        ({"sinks": True, "distill": {"trainable": "mlp"}}, ["distill.trainable='mlp'", "attention, all"]),
+        ({"sinks": True, "distill": {"num_tokens": 2048, "holdout": 4}},
+         ["distill.num_tokens=2048 gives 4 windows", "holdout=4", "num_tokens >= 2560"]),
+        ({"sinks": True, "distill": {"epochs": 3}}, ["unknown", "epochs", "steps", "trainable"]),
     ],
 )
 def test_bad_fields_name_the_field_and_allowed_values(data, words):
