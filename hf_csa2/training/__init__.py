@@ -1,1 +1,1 @@
-"""Training-side procedures (indexer warm-up; PEFT uplift recipes come later)."""
+"""Training-side procedures: indexer warm-up, end-to-end distillation toward the source, the held-out keep rule (PEFT uplift recipes come later)."""
