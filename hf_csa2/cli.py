@@ -53,6 +53,17 @@ def _convert(args) -> int:
     return 0
 
 
+def _distill(args) -> int:
+    from .surgery.pipeline import distill_checkpoint, format_report_table
+
+    fields = ("steps", "lr", "batch", "num_tokens", "holdout", "every", "trainable")
+    overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    result = distill_checkpoint(args.source, args.converted, out_dir=args.out, overrides=overrides,
+                                overwrite=args.overwrite, log=_log)
+    print(format_report_table(result.report))
+    return 0
+
+
 def _eval_ppl(args) -> int:
     from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
     from .surgery.sources import load_source
@@ -341,6 +352,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (HF checkpoint)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.set_defaults(func=_convert)
+
+    p = sub.add_parser("distill", help="(more) distillation of a converted checkpoint toward its source")
+    p.add_argument("source", help="the source the checkpoint was converted from (the teacher)")
+    p.add_argument("converted", help="a folder written by hf-csa2 convert (its plan gives the calibration windows)")
+    p.add_argument("--steps", type=int, help="Adam steps (default: the plan's distill section, else 200)")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--batch", type=int, help="windows per step")
+    p.add_argument("--num-tokens", type=int, help="calibration tokens to distill on")
+    p.add_argument("--holdout", type=int, help="windows never trained on that pick the kept state")
+    p.add_argument("--every", type=int, help="held-out check every N steps")
+    p.add_argument("--trainable", choices=["attention", "all"])
+    p.add_argument("--out", required=True, help="output folder (the converted folder is never written)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_distill)
 
     ev = sub.add_parser("eval", help="evaluate models").add_subparsers(dest="eval_command", required=True)
     p = ev.add_parser("ppl", help="perplexity on identical token windows for every model")

@@ -322,6 +322,52 @@ def convert(
     return result
 
 
+def distill_checkpoint(
+    source: str,
+    converted: str | os.PathLike,
+    *,
+    out_dir: str | os.PathLike,
+    overrides: dict | None = None,
+    overwrite: bool = False,
+    log: Callable[[str], None] = print,
+) -> ConversionResult:
+    """Run (more) distillation toward ``source`` on an already converted checkpoint.
+
+    The distill and calibration settings come from the checkpoint's own ``hf_csa2_plan.yaml``
+    (so the windows are those its conversion would cut), with ``overrides`` ({field: value} of
+    the ``distill`` section) on top; a plan without a distill section gets the defaults. The
+    result is saved to ``out_dir`` (the converted folder itself is never written) with the
+    stage appended to its ``conversion_report.json``.
+    """
+    from .plan import DistillPlan
+    from .sources import load_source
+
+    folder = Path(converted)
+    if Path(out_dir).expanduser().resolve() == folder.expanduser().resolve():
+        raise OutputExistsError(f"--out {str(out_dir)!r} is the converted folder itself; write to another folder")
+    check_output_dir(out_dir, overwrite)
+    plan_path = folder / "hf_csa2_plan.yaml"
+    if not plan_path.is_file():
+        raise PlanError(f"{str(folder)!r} has no hf_csa2_plan.yaml: only checkpoints written by `hf-csa2 convert` "
+                        "can be distilled (their plan says which calibration windows to use)")
+    data = ConversionPlan.from_yaml(plan_path).to_dict()
+    data["distill"] = {**(data.get("distill") or {}), **(overrides or {})}
+    plan = ConversionPlan.from_dict(data)  # validates the overrides before anything is loaded
+    report_path = folder / "conversion_report.json"
+    previous = json.loads(report_path.read_text()) if report_path.is_file() else {"source": source, "stages": []}
+    t0 = time.perf_counter()
+    prepared = prepare_source(source, plan, log)
+    student = load_source(converted, dtype=getattr(torch, plan.dtype)).model
+    model, notes = distill_stage(student, plan, prepared.calib, prepared.model)
+    stage = _stage_report("distill", model, prepared.calib, t0, {"continued_from": str(folder), **notes})
+    log(format_stage(stage))
+    stages = [StageReport(**r) for r in previous["stages"]] + [stage]
+    result = ConversionResult(model=model, tokenizer=prepared.loaded.tokenizer, plan=plan, source=source, report=stages)
+    result.save(out_dir, overwrite=overwrite)
+    log(f"saved {out_dir}")
+    return result
+
+
 def format_stage(r: StageReport) -> str:
     return (f"[stage {r.stage:>6}] calib ppl {r.calib_ppl:8.3f} | KV elements/token {r.kv_elements_per_token:8.0f} "
             f"(config {r.kv_elements_per_token_config}) | {r.seconds:6.1f}s | {r.notes}")
@@ -363,4 +409,5 @@ def save_checkpoint(model, tokenizer, out_dir, *, overwrite: bool = False, extra
     return out
 
 
-__all__ = ["ConversionResult", "OutputExistsError", "StageReport", "convert", "format_report_table", "save_checkpoint"]
+__all__ = ["ConversionResult", "OutputExistsError", "StageReport", "convert", "distill_checkpoint", "format_report_table",
+           "save_checkpoint"]

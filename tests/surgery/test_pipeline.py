@@ -224,3 +224,32 @@ def test_run_stages_stops_before_the_named_stage():
     assert src.config.num_key_value_heads > 1
     assert [s["kind"] for s in model.config.attention_layers] == ["dense", "dense"]  # no csa2 yet
     assert all(s["num_key_value_heads"] == 1 and s["sinks"] for s in model.config.attention_layers)
+
+
+def test_distill_command_continues_a_converted_checkpoint(tmp_path, text_file):
+    """`hf-csa2 distill` on a converted folder: uses the folder's plan for the windows, writes a
+    new folder with the stage appended to the report, and never touches the converted folder."""
+    save_tiny_source("llama", tmp_path / "src")
+    conv = tmp_path / "conv"
+    convert(str(tmp_path / "src"), plan_with(text_file, mla={"kv_lora_rank": 4, "qk_rope_head_dim": 4}), out_dir=conv,
+            log=lambda m: None)
+    before = tree_digest(conv)
+    out = tmp_path / "more"
+    code = cli_main(["distill", str(tmp_path / "src"), str(conv), "--steps", "10", "--lr", "3e-3", "--num-tokens", "640",
+                     "--holdout", "2", "--every", "5", "--out", str(out)])
+    assert code == 0
+    assert tree_digest(conv) == before
+    stages = json.loads((out / "conversion_report.json").read_text())["stages"]
+    assert [s["stage"] for s in stages] == ["source", "mla", "distill"]
+    notes = stages[-1]["notes"]
+    assert notes["continued_from"] == str(conv) and notes["windows"] == 10
+    assert notes["distill_heldout_kl_after"] <= notes["distill_heldout_kl_before"]
+    assert "distill" in (out / "hf_csa2_plan.yaml").read_text()
+    # bad input is refused before loading anything, with the allowed values
+    proc = run_cli("distill", str(tmp_path / "src"), str(conv), "--steps", "0", "--out", str(tmp_path / "x"))
+    assert proc.returncode == 2 and "distill.steps=0" in proc.stderr and "integer >= 1" in proc.stderr
+    proc = run_cli("distill", str(tmp_path / "src"), str(conv), "--out", str(conv), "--overwrite")
+    assert proc.returncode == 2 and "is the converted folder itself" in proc.stderr
+    proc = run_cli("distill", str(tmp_path / "src"), str(tmp_path / "src"), "--out", str(tmp_path / "y"))
+    assert proc.returncode == 2 and "hf_csa2_plan.yaml" in proc.stderr
+    assert tree_digest(conv) == before
