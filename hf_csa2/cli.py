@@ -1,6 +1,7 @@
 """The ``hf-csa2`` command line: one tool, subcommands.
 
     hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] --out DIR
+    hf-csa2 distill SOURCE CONVERTED --out DIR [--steps N] [--lr X] [--trainable attention|all]
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
     hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]

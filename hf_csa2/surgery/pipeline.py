@@ -339,9 +339,6 @@ def distill_checkpoint(
     result is saved to ``out_dir`` (the converted folder itself is never written) with the
     stage appended to its ``conversion_report.json``.
     """
-    from .plan import DistillPlan
-    from .sources import load_source
-
     folder = Path(converted)
     if Path(out_dir).expanduser().resolve() == folder.expanduser().resolve():
         raise OutputExistsError(f"--out {str(out_dir)!r} is the converted folder itself; write to another folder")
