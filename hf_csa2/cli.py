@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .surgery.plan import GQA_INITS, PlanError
+from .surgery.plan import DISTILL_TRAINABLE, GQA_INITS, PlanError
 
 EXIT_USAGE = 2
 
@@ -363,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-tokens", type=int, help="calibration tokens to distill on")
     p.add_argument("--holdout", type=int, help="windows never trained on that pick the kept state")
     p.add_argument("--every", type=int, help="held-out check every N steps")
-    p.add_argument("--trainable", choices=["attention", "all"])
+    p.add_argument("--trainable", choices=DISTILL_TRAINABLE)
     p.add_argument("--out", required=True, help="output folder (the converted folder is never written)")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_distill)

@@ -81,3 +81,10 @@ def test_distillation_refuses_bad_arguments_before_training(kwargs, match):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=match):
         distill_to_source(model, src, fit, **{"steps": 1, **kwargs})
+
+
+def test_plan_and_cli_offer_the_trainable_sets_the_distillation_has():
+    from hf_csa2.surgery.plan import DISTILL_TRAINABLE
+    from hf_csa2.training.distill import TRAINABLE
+
+    assert DISTILL_TRAINABLE == TRAINABLE
