@@ -207,6 +207,7 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _inspect(args) -> int:
     from .evals.kv_cache import (
         QK_NORM_MODEL_TYPES,
+        attention_head_dim,
         config_kv_elements_at_context,
         config_kv_elements_per_token,
         layer_attention_specs,
@@ -220,7 +221,7 @@ def _inspect(args) -> int:
     loaded = load_source(args.model, check_supported=False)
     cfg = loaded.model.config
     layers = layer_attention_specs(cfg)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = attention_head_dim(cfg)
     qk_norm = getattr(cfg, "base_model_type", cfg.model_type) in QK_NORM_MODEL_TYPES
     for spec in layers:
         spec["kv_elements_per_token"] = layer_kv_elements_per_token(spec, head_dim, qk_norm)

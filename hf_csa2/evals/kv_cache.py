@@ -6,10 +6,7 @@ from __future__ import annotations
 import torch
 
 from hf_csa2.model.configuration_hf_csa2 import QK_NORM_BASE_MODEL_TYPES as QK_NORM_MODEL_TYPES
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+from hf_csa2.model.configuration_hf_csa2 import attention_head_dim
 
 
 def layer_attention_specs(config) -> list[dict]:
@@ -53,7 +50,7 @@ def config_kv_elements_per_token(config) -> int:
     Sliding-window layers are counted too: they hold every token while it is in the window,
     which is what a prefill shorter than the window measures.
     """
-    d = _head_dim(config)
+    d = attention_head_dim(config)
     arch = getattr(config, "base_model_type", None) or config.model_type
     qk_norm = arch in QK_NORM_MODEL_TYPES
     return sum(layer_kv_elements_per_token(spec, d, qk_norm) for spec in layer_attention_specs(config))
@@ -64,7 +61,7 @@ def config_kv_elements_at_context(config, num_tokens: int) -> int:
     a layer with a window keeps its last ``window - 1`` tokens (transformers' sliding cache
     layers; the newest token joins at read time) plus its first ``sink_tokens`` once they left
     the window (CSA2 window layers), every other layer keeps them all."""
-    d = _head_dim(config)
+    d = attention_head_dim(config)
     arch = getattr(config, "base_model_type", None) or config.model_type
     qk_norm = arch in QK_NORM_MODEL_TYPES
     total = 0

@@ -14,7 +14,7 @@ import torch
 
 from ..model import Csa2ForCausalLM
 from ..model.attention_base import rotate_half
-from ..model.configuration_hf_csa2 import CSA2_MODES
+from ..model.configuration_hf_csa2 import CSA2_MODES, attention_head_dim
 from ..model.csa2_attention import Csa2WindowAttention, read_path
 from ..model.sparse_attention import sparse_sink_attention
 from ..training.indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
@@ -385,7 +385,7 @@ def build_csa2_skeleton(dense, modes: list[str], *, window: int, top_k: int, kv_
     full_layers = [i for i, m in enumerate(modes) if m == "full"]
     mla = apply_mla(dense, kv_lora_rank, num_rope_pairs, windows=windows, shared_rope_key=shared_rope_key,
                     only_layers=full_layers, **(mla_options or {}))
-    d = dense.config.head_dim if getattr(dense.config, "head_dim", None) else dense.config.hidden_size // dense.config.num_attention_heads
+    d = attention_head_dim(dense.config)
     hq = dense.config.num_attention_heads
     groups = {mla.config.attention_layers[i]["num_key_value_heads"] for i in full_layers}
     if len(groups) > 1:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.configuration_hf_csa2 import attention_head_dim
 from .calibration import augmented_moment, decoder_layers
 from .layerwise import calibrate_layerwise, refit_output_projection, source_attention_outputs
 from .rebuild import is_csa2, native_specs, to_csa2
@@ -217,7 +218,7 @@ def apply_gqa(model, num_key_value_heads: int, init: str = "calibrated", windows
     if init == "calibrated" and windows is None:
         raise ValueError("init='calibrated' needs calibration windows")
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = attention_head_dim(cfg)
     specs = [dict(s) for s in (cfg.attention_layers if is_csa2(model) else native_specs(cfg))]
     rope_aware = not has_qk_norm(model)
     old_layers = decoder_layers(model)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.attention_base import apply_rotary
+from ..model.configuration_hf_csa2 import attention_head_dim
 from ..model.latent_attention import Csa2LatentAttention, rope_dim_indices
 from ..model.sink_attention import masked_logits
 from .calibration import augmented_moment, decoder_layers, run_with_attention_hooks
@@ -57,10 +58,6 @@ from .rebuild import is_csa2, native_specs, to_csa2
 ROPE_CRITERIA = ("perturbation", "norm")
 FACTORISATIONS = ("activation_aware", "weight_svd")
 BALANCE_GRID = (0.25, 0.5, 1.0, 2.0, 4.0)
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def pre_rope_qk(attn, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -572,7 +569,7 @@ def _set_latent(attn: Csa2LatentAttention, split: RopeSplit, k_w, k_b, v_w, v_b,
 def full_stack_width(config, num_key_value_heads: int, num_pairs: int, shared: bool = False) -> int:
     """The rank at which the factorisation is exact: H * (D_nope + D) (D_nope = D for a mixed
     shared rope key, D - 2n per head otherwise)."""
-    d = _head_dim(config)
+    d = attention_head_dim(config)
     nope = d if shared and num_key_value_heads > 1 else d - 2 * num_pairs
     return num_key_value_heads * (nope + d)
 
@@ -620,7 +617,7 @@ def apply_mla(model, kv_lora_rank: int, num_rope_pairs: int, *, windows: torch.T
     specs = [dict(s) for s in (cfg.attention_layers if is_csa2(model) else native_specs(cfg))]
     if any(s["kind"] != "dense" for s in specs):
         raise ValueError("MLA surgery needs dense attention layers as input")
-    d = _head_dim(cfg)
+    d = attention_head_dim(cfg)
     qk_norm = has_qk_norm(model)
     if shared_rope_key and qk_norm and any(s["num_key_value_heads"] > 1 for s in specs):
         raise ValueError("shared_rope_key with several KV heads needs a source without QK-norm "

@@ -331,13 +331,13 @@ class ConversionPlan:
                 raise PlanError(f"csa2.layers: {err}") from err
 
     def _validate_mla_for(self, config) -> None:
+        from ..model.configuration_hf_csa2 import QK_NORM_BASE_MODEL_TYPES, attention_head_dim
+
         mla = self.mla
-        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        d = attention_head_dim(config)
         kv = self.gqa.num_key_value_heads if self.gqa is not None else (
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         mixed = mla.rope_key == "shared" and kv > 1
-        from ..model.configuration_hf_csa2 import QK_NORM_BASE_MODEL_TYPES
-
         if mixed and config.model_type in QK_NORM_BASE_MODEL_TYPES:
             raise PlanError(
                 f"mla.rope_key='shared' with {kv} KV heads needs a source without QK-norm ({config.model_type} "
