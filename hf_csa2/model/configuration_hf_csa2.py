@@ -37,13 +37,14 @@ ATTENTION_KINDS = ("dense", "mla", "csa2")
 CSA2_MODES = ("swa", "full", "reindex", "reuse")
 QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
 MLA_ATTENTION_PATHS = ("auto", "explicit", "absorbed")
+CSA2_READ_PATHS = ("gather", "scores")
 
 
 def attention_head_dim(config) -> int:
     """Per-head width of a config: its ``head_dim`` when set (Gemma3/Qwen3 decouple it from the
     hidden size), else ``hidden_size // num_attention_heads``."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-CSA2_READ_PATHS = ("gather", "scores")
+
 
 # Keys of ours or of the serialisation machinery; everything else in the flattened dict
 # belongs to the base architecture's config.
