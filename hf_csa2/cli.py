@@ -207,7 +207,6 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _inspect(args) -> int:
     from .evals.kv_cache import (
         QK_NORM_MODEL_TYPES,
-        attention_head_dim,
         config_kv_elements_at_context,
         config_kv_elements_per_token,
         layer_attention_specs,
@@ -216,6 +215,7 @@ def _inspect(args) -> int:
         measure_kv_elements_per_token,
         measurement_length,
     )
+    from .model.configuration_hf_csa2 import attention_head_dim
     from .surgery.sources import load_source
 
     loaded = load_source(args.model, check_supported=False)

@@ -19,15 +19,18 @@ from hf_csa2.surgery.mla import apply_mla, full_stack_width
 from hf_csa2.surgery.sources import load_source
 
 
-def max_logit_diff_per_path(model, windows: torch.Tensor, reference: torch.Tensor | None = None) -> dict:
-    """Max abs logit difference of each attention path against `reference` (default: the explicit path)."""
-    logits = {}
+def on_each_path(model, run) -> dict:
+    """``{path: run()}`` with the model switched to each attention path in turn, then back to auto."""
+    out = {}
     for path in ("explicit", "absorbed"):
         model.config.mla_attention_path = path
-        logits[path] = model(windows).logits
+        out[path] = run()
     model.config.mla_attention_path = "auto"
-    ref = logits["explicit"] if reference is None else reference
-    return {path: (out - ref).abs().max().item() for path, out in logits.items()}
+    return out
+
+
+def max_abs_diff(logits: dict, reference: torch.Tensor) -> dict:
+    return {path: (out - reference).abs().max().item() for path, out in logits.items()}
 
 
 @torch.no_grad()
@@ -43,19 +46,15 @@ def main() -> None:
     rope_pairs = attention_head_dim(config) // 2
     full = apply_mla(src.model, full_stack_width(config, config.num_key_value_heads, rope_pairs), rope_pairs,
                      factorisation="weight_svd")
-    diffs = max_logit_diff_per_path(full, windows, reference=src.model(windows).logits)
+    diffs = max_abs_diff(on_each_path(full, lambda: full(windows).logits), src.model(windows).logits)
     print(f"full rank, all {rope_pairs} rope pairs, vs the source: max abs logit diff "
           f"explicit {diffs['explicit']:.3g}, absorbed {diffs['absorbed']:.3g}")
     del full, src
 
     conv = load_source(args.converted, check_supported=False)
-    diffs = max_logit_diff_per_path(conv.model, windows)
-    prompt = windows[:1, :128]
-    gens = {}
-    for path in ("explicit", "absorbed"):
-        conv.model.config.mla_attention_path = path
-        gens[path] = conv.model.generate(prompt, max_new_tokens=32, do_sample=False)
-    conv.model.config.mla_attention_path = "auto"
+    logits = on_each_path(conv.model, lambda: conv.model(windows).logits)
+    diffs = max_abs_diff(logits, logits["explicit"])
+    gens = on_each_path(conv.model, lambda: conv.model.generate(windows[:1, :128], max_new_tokens=32, do_sample=False))
     print(f"{args.converted}: absorbed vs explicit max abs logit diff {diffs['absorbed']:.3g} over "
           f"{args.windows} x 512 held-out tokens; greedy (32 tokens) identical: {torch.equal(*gens.values())}; "
           f"KV elements/token from the live cache {measure_kv_elements_per_token(conv.model):.0f}")
