@@ -17,39 +17,91 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
-from .surgery.plan import DISTILL_TRAINABLE, GQA_INITS, PlanError
+from .data.corpus import resolve_text
+from .errors import InputError, UserError
+from .evals.kv_cache import config_kv_elements_at_context
+from .io.output import check_output_dir, check_output_file, check_results_dir
+from .surgery.plan import DISTILL_TRAINABLE, GQA_INITS, ConversionPlan, PlanError
+from .surgery.sources import is_converted, load_source, peek_config, resolve_source
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+
+# -- argument types: every flag is checked while parsing, before any work starts ------------
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed: an integer >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}; allowed: an integer >= 1")
+    return value
+
+
+def _window_length(text: str) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value}; allowed: an integer >= 2 (the first token is never predicted)")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed: a finite number > 0") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text}; allowed: a finite number > 0")
+    return value
+
+
+def _limit(text: str) -> float:
+    value = _positive_number(text)
+    if value > 1 and value != int(value):
+        raise argparse.ArgumentTypeError(f"{text}; allowed: a fraction in (0, 1] or a whole number of examples")
+    return value
+
+
+def _models(names: list[str]) -> list[tuple[str, Path]]:
+    """Every model argument resolved (a missing one fails before any is loaded)."""
+    return [("model", resolve_source(name)[1]) for name in names]
+
+
+def _load(name: str, args):
+    return load_source(name, check_supported=False, trust_remote_code=args.trust_remote_code)
 
 
 def _convert(args) -> int:
     from .surgery.pipeline import convert, format_report_table
-    from .surgery.plan import CalibrationPlan, ConversionPlan, GqaPlan, SinksPlan
 
     if args.plan and (args.to or args.kv_heads is not None):
         raise PlanError("give either --plan or --to/--kv-heads, not both")
     if args.plan:
-        plan = ConversionPlan.from_yaml(args.plan)
-        if args.sinks and plan.sinks is None:
-            plan.sinks = SinksPlan()
+        data = ConversionPlan.from_yaml(args.plan).to_dict()
+        if args.sinks and data.get("sinks") is None:
+            data["sinks"] = {}
     else:
         if args.to is None and not args.sinks:
             raise PlanError("nothing to do: give --plan YAML, --to gqa --kv-heads N, or --sinks")
         if args.to == "gqa" and args.kv_heads is None:
             raise PlanError("--to gqa needs --kv-heads N (N must divide the number of query heads)")
-        gqa = GqaPlan(num_key_value_heads=args.kv_heads, init=args.init) if args.to == "gqa" else None
-        plan = ConversionPlan(gqa=gqa, sinks=SinksPlan() if args.sinks else None)
-    if args.calib_text or args.calib_tokens:
-        cal = plan.calibration
-        plan.calibration = CalibrationPlan(
-            text=args.calib_text or cal.text, num_tokens=args.calib_tokens or cal.num_tokens,
-            seq_len=cal.seq_len, eval_windows=cal.eval_windows,
-        )
-    plan.validate()
-    result = convert(args.source, plan, out_dir=args.out, overwrite=args.overwrite, log=_log)
+        data = {"gqa": {"num_key_value_heads": args.kv_heads, "init": args.init} if args.to == "gqa" else None,
+                "sinks": {} if args.sinks else None}
+    calibration = dict(data.get("calibration") or {})
+    if args.calib_text:
+        calibration["text"] = args.calib_text
+    if args.calib_tokens:
+        calibration["num_tokens"] = args.calib_tokens
+    data["calibration"] = calibration
+    plan = ConversionPlan.from_dict(data)
+    result = convert(args.source, plan, out_dir=args.out, overwrite=args.overwrite, log=_log, plan_path=args.plan,
+                     trust_remote_code=args.trust_remote_code)
     print(format_report_table(result.report))
     return 0
 
@@ -60,20 +112,19 @@ def _distill(args) -> int:
     fields = ("steps", "lr", "batch", "num_tokens", "holdout", "every", "trainable")
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     result = distill_checkpoint(args.source, args.converted, out_dir=args.out, overrides=overrides,
-                                overwrite=args.overwrite, log=_log)
+                                overwrite=args.overwrite, log=_log, trust_remote_code=args.trust_remote_code)
     print(format_report_table(result.report))
     return 0
 
 
 def _eval_ppl(args) -> int:
     from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
-    from .surgery.sources import load_source
 
-    entries = [(name, (lambda n=name: load_source(n, check_supported=False))) for name in args.models]
-    try:
-        results = compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows, batch_size=args.batch_size)
-    except ValueError as err:  # e.g. models with different tokenizers, text shorter than one window
-        raise PlanError(str(err)) from err
+    inputs = _models(args.models) + [("text", resolve_text(args.text))]
+    if args.json:
+        check_output_file(args.json, inputs=inputs)
+    entries = [(name, (lambda n=name: _load(n, args))) for name in args.models]
+    results = compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows, batch_size=args.batch_size)
     print(format_ppl_table(results))
     if args.json:
         write_ppl_json(results, args.json)
@@ -83,36 +134,33 @@ def _eval_ppl(args) -> int:
 def _eval_needle(args) -> int:
     import gc
 
-    from .data.corpus import read_text, resolve_text
+    from .data.corpus import read_text
     from .evals.needle import CATEGORIES, generate_samples, write_jsonl
     from .evals.needle_eval import OutputJournal, generate_answers, score_records, write_reports
-    from .surgery.sources import load_source
 
     categories = args.categories.split(",") if args.categories else list(CATEGORIES)
     bad = [c for c in categories if c not in CATEGORIES]
     if bad:
-        raise PlanError(f"--categories {bad}; allowed: {', '.join(CATEGORIES)}")
+        raise InputError(f"--categories {bad}; allowed: {', '.join(CATEGORIES)}")
     lengths = _int_list(args.lengths, "--lengths")
     depths = _float_list(args.depths, "--depths")
     if any(not 0.0 <= d <= 1.0 for d in depths):
-        raise PlanError(f"--depths {depths}; allowed: numbers in [0, 1]")
+        raise InputError(f"--depths {depths}; allowed: numbers in [0, 1]")
+    inputs = _models(args.models) + [("haystack text", resolve_text(args.text))]
+    check_results_dir(args.out, inputs=inputs)
+    if args.export_jsonl:
+        check_output_file(args.export_jsonl, inputs=inputs, flag="--export-jsonl")
     text = read_text(resolve_text(args.text), max_chars=4_000_000)
     settings = {"models": list(args.models), "categories": categories, "lengths": lengths, "depths": depths,
                 "per_cell": args.per_cell, "seed": args.seed, "text": args.text,
                 "chat_template": not args.no_chat_template, "max_new_tokens": args.max_new_tokens}
-    try:
-        journal = OutputJournal(Path(args.out) / "needle.partial.jsonl", settings)
-    except ValueError as err:
-        raise PlanError(str(err)) from err
+    journal = OutputJournal(Path(args.out) / "needle.partial.jsonl", settings)
     results, samples = {}, None
     for name in args.models:
-        loaded = load_source(name, check_supported=False)
+        loaded = _load(name, args)
         if samples is None:  # one sample set, made with the first model's tokenizer, for every model
-            try:
-                samples = generate_samples(loaded.tokenizer, text, categories=categories, lengths=lengths,
-                                           depths=depths, per_cell=args.per_cell, seed=args.seed)
-            except ValueError as err:
-                raise PlanError(str(err)) from err
+            samples = generate_samples(loaded.tokenizer, text, categories=categories, lengths=lengths,
+                                       depths=depths, per_cell=args.per_cell, seed=args.seed)
             if args.export_jsonl:
                 write_jsonl(samples, args.export_jsonl)
             _log(f"{len(samples)} samples: {len(categories)} capabilities x {len(lengths)} lengths x "
@@ -132,17 +180,28 @@ def _eval_needle(args) -> int:
 
 
 def _eval_lm(args) -> int:
-    from .evals.lm_eval_glue import run_lm_eval, summarise, write_results
-    from .surgery.sources import load_source
+    from .evals.lm_eval_glue import check_tasks, run_lm_eval, summarise, task_manager, write_results
 
     try:
         metadata = json.loads(args.metadata) if args.metadata else None
     except json.JSONDecodeError as err:
-        raise PlanError(f"--metadata is not valid JSON: {err}") from None
-    loaded = load_source(args.model, check_supported=False)
+        raise InputError(f"--metadata is not valid JSON: {err}") from None
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InputError(f"--metadata {args.metadata!r}; allowed: a JSON object, e.g. '{{\"needle_jsonl\": \"s.jsonl\"}}'")
+    inputs = _models([args.model])
+    if args.json:
+        check_output_file(args.json, inputs=inputs)
+    kind, path = resolve_source(args.model)
+    if args.batch_size > 1 and _has_csa2_layers(peek_config(kind, path, trust_remote_code=args.trust_remote_code)):
+        raise InputError(f"--batch-size {args.batch_size}: {args.model!r} has CSA2 layers, which do not support padded "
+                         "batches yet; allowed: --batch-size 1")
+    tasks = [t for t in args.tasks.split(",") if t.strip()]
+    manager = task_manager(args.include_path, metadata)
+    check_tasks(tasks, manager)
+    loaded = _load(args.model, args)
     results = run_lm_eval(
-        loaded.model, loaded.tokenizer, args.tasks.split(","), include_paths=args.include_path, metadata=metadata,
-        limit=args.limit, batch_size=args.batch_size, apply_chat_template=args.apply_chat_template,
+        loaded.model, loaded.tokenizer, tasks, include_paths=args.include_path, metadata=metadata,
+        limit=args.limit, batch_size=args.batch_size, apply_chat_template=args.apply_chat_template, manager=manager,
     )
     print(summarise(results))
     if args.json:
@@ -150,9 +209,12 @@ def _eval_lm(args) -> int:
     return 0
 
 
+def _has_csa2_layers(config) -> bool:
+    return any(spec.get("kind") == "csa2" for spec in getattr(config, "attention_layers", None) or [])
+
+
 def _eval_report(args) -> int:
     from .evals.report import ReportSettings, write_report
-    from .surgery.sources import load_source
 
     settings = ReportSettings(
         text=args.text, window=args.window, max_windows=args.max_windows,
@@ -161,26 +223,23 @@ def _eval_report(args) -> int:
         chat_template=not args.no_chat_template, bench_lengths=_int_list(args.bench_lengths, "--bench-lengths"),
         bench_repeats=args.repeats,
     )
-    loaded = [load_source(name, check_supported=False) for name in args.models]
+    check_results_dir(args.out, inputs=_models(args.models) + [("text", resolve_text(args.text))])
+    loaded = [_load(name, args) for name in args.models]
     models = [(name, src.model, src.tokenizer) for name, src in zip(args.models, loaded)]
-    try:
-        path = write_report(models, args.out, settings, command="hf-csa2 " + " ".join(args.argv), log=_log)
-    except ValueError as err:
-        raise PlanError(str(err)) from err
+    path = write_report(models, args.out, settings, command="hf-csa2 " + " ".join(args.argv), log=_log)
     print(path.read_text())
     return 0
 
 
 def _bench(args) -> int:
     from .evals.bench import bench, format_bench_table
-    from .surgery.sources import load_source
 
     lengths = _int_list(args.lengths, "--lengths")
-    models = [(name, load_source(name, check_supported=False).model) for name in args.models]  # all resident: measurements interleave
-    try:
-        rows = bench(models, lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch=args.batch, log=_log)
-    except ValueError as err:
-        raise PlanError(str(err)) from err
+    inputs = _models(args.models)
+    if args.json:
+        check_output_file(args.json, inputs=inputs)
+    models = [(name, _load(name, args).model) for name in args.models]  # all resident: measurements interleave
+    rows = bench(models, lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch=args.batch, log=_log)
     print(format_bench_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
@@ -191,17 +250,20 @@ def _int_list(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise PlanError(f"{flag} {text!r}; allowed: comma-separated positive integers, e.g. 1024,2048") from None
+        raise InputError(f"{flag} {text!r}; allowed: comma-separated positive integers, e.g. 1024,2048") from None
     if not values or any(v < 1 for v in values):
-        raise PlanError(f"{flag} {text!r}; allowed: comma-separated positive integers, e.g. 1024,2048")
+        raise InputError(f"{flag} {text!r}; allowed: comma-separated positive integers, e.g. 1024,2048")
     return values
 
 
 def _float_list(text: str, flag: str) -> list[float]:
     try:
-        return [float(x) for x in text.split(",") if x.strip()]
+        values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise PlanError(f"{flag} {text!r}; allowed: comma-separated numbers, e.g. 0,0.5,1") from None
+        raise InputError(f"{flag} {text!r}; allowed: comma-separated numbers, e.g. 0,0.5,1") from None
+    if not values or not all(math.isfinite(v) for v in values):
+        raise InputError(f"{flag} {text!r}; allowed: comma-separated finite numbers, e.g. 0,0.5,1")
+    return values
 
 
 def _inspect(args) -> int:
@@ -216,9 +278,8 @@ def _inspect(args) -> int:
         measurement_length,
     )
     from .model.configuration_hf_csa2 import attention_head_dim
-    from .surgery.sources import load_source
 
-    loaded = load_source(args.model, check_supported=False)
+    loaded = _load(args.model, args)
     cfg = loaded.model.config
     layers = layer_attention_specs(cfg)
     head_dim = attention_head_dim(cfg)
@@ -267,7 +328,8 @@ def _inspect(args) -> int:
 def _export(args) -> int:
     from .export.deepseek_v3 import export_checkpoint
 
-    out = export_checkpoint(args.model, args.out, args.format, overwrite=args.overwrite)
+    out = export_checkpoint(args.model, args.out, args.format, overwrite=args.overwrite,
+                            trust_remote_code=args.trust_remote_code)
     _log(f"saved {out} ({args.format}; loads with AutoModelForCausalLM, no remote code)")
     return 0
 
@@ -275,18 +337,9 @@ def _export(args) -> int:
 def _plan(args) -> int:
     import yaml
 
-    from .evals.kv_cache import config_kv_elements_at_context
-    from .surgery.pipeline import csa2_arguments, peek_config, prepare_source, run_stages
-    from .surgery.plan import ConversionPlan
+    from .surgery.pipeline import conversion_inputs, csa2_arguments, prepare_source, run_stages
     from .surgery.plan_search import SEARCH_OTHER_MODES, format_curve, parse_kv_budget, search_plan
-    from .surgery.sources import resolve_source
 
-    out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise PlanError(f"--out {str(out)!r} exists; pass --overwrite to replace it")
-    for name in ("context", "refresh", "part_windows"):
-        if getattr(args, name) < 1:
-            raise PlanError(f"--{name.replace('_', '-')} {getattr(args, name)}; allowed: an integer >= 1")
     base = ConversionPlan.from_yaml(args.plan)
     if base.csa2 is None:
         raise PlanError(f"--plan {args.plan!r} has no csa2 section; the search keeps its window, top_k, reader and "
@@ -298,24 +351,24 @@ def _plan(args) -> int:
     if other not in SEARCH_OTHER_MODES:
         raise PlanError(f"csa2.other_mode={other!r}; allowed for the search: {', '.join(SEARCH_OTHER_MODES)}")
     kind, path = resolve_source(args.source)
-    source_kv = config_kv_elements_at_context(peek_config(kind, path), args.context) / args.context
-    try:
-        budget = parse_kv_budget(args.kv_budget, source_kv)
-    except ValueError as err:
-        raise PlanError(str(err)) from err
+    inputs = conversion_inputs(path, base, args.plan)
+    out = check_output_file(args.out, inputs=inputs, flag="--out", overwrite=args.overwrite)
+    if args.json:
+        check_output_file(args.json, inputs=inputs + [("--out file", out)])
+    source_kv = config_kv_elements_at_context(peek_config(kind, path, trust_remote_code=args.trust_remote_code),
+                                              args.context) / args.context
+    budget = parse_kv_budget(args.kv_budget, source_kv)
     base.csa2.layers, base.csa2.full_every = None, 1  # every layer full: valid for any source while checking
-    prepared = prepare_source(args.source, base, _log)
+    prepared = prepare_source(args.source, base, _log, trust_remote_code=args.trust_remote_code)
     # the search starts from what the csa2 stage of `convert` would get (after gqa / sinks)
     model = run_stages(prepared.model, base, prepared.calib, before="csa2")
-    try:
-        result = search_plan(model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
-                             kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
-                             part_windows=args.part_windows, swa_pass=args.swa_pass, log=_log)
-    except ValueError as err:
-        raise PlanError(str(err)) from err
+    result = search_plan(model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
+                         kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
+                         part_windows=args.part_windows, swa_pass=args.swa_pass, log=_log)
     table = format_curve(result)
     print(table)
     base.csa2.layers, base.csa2.full_every = result.final.modes, None
+    base.context = args.context  # convert then reports the KV cost at the context the budget was set for
     header = [f"CSA2 layer plan chosen by: hf-csa2 {' '.join(args.argv)}",
               f"budget {budget:.1f} KV elements/token at a {args.context}-token context "
               f"(source {source_kv:.1f}); {result.evaluations} plans scored on the calibration windows.",
@@ -338,45 +391,62 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage text is one ``--help`` away)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _trust_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a model folder to run Python code it ships (auto_map); off by default: hf-csa2 "
+                        "checkpoints load through the installed package, tokenizers without any folder code")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-csa2", description="Attention surgery for Hugging Face causal LMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hf-csa2", description="Attention surgery for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("convert", help="convert a checkpoint following a plan")
     p.add_argument("source", help="Hub model ID (local cache), local folder, .gguf file, or alias (smollm2-135m, gemma3-270m)")
     p.add_argument("--plan", help="plan YAML (see conversion/)")
     p.add_argument("--to", choices=["gqa"], help="shortcut: the surgery target")
-    p.add_argument("--kv-heads", type=int, help="with --to gqa: KV heads per layer (1 = MQA); must divide the query heads")
+    p.add_argument("--kv-heads", type=_positive_int, help="with --to gqa: KV heads per layer (1 = MQA); must divide the query heads")
     p.add_argument("--init", choices=GQA_INITS, default="calibrated", help="with --to gqa: how merged KV heads are initialised")
     p.add_argument("--sinks", action="store_true", help="add per-head learnable sink logits (output unchanged at init)")
     p.add_argument("--calib-text", help="calibration text: file, folder, or python-docs:calib (default)")
-    p.add_argument("--calib-tokens", type=int, help="calibration tokens (default from the plan)")
-    p.add_argument("--out", required=True, help="output folder (HF checkpoint)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--calib-tokens", type=_positive_int, help="calibration tokens (default from the plan)")
+    p.add_argument("--out", required=True, help="output folder (HF checkpoint); never an input or a folder holding one")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
+    _trust_flag(p)
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("distill", help="(more) distillation of a converted checkpoint toward its source")
     p.add_argument("source", help="the source the checkpoint was converted from (the teacher)")
     p.add_argument("converted", help="a folder written by hf-csa2 convert (its plan gives the calibration windows)")
-    p.add_argument("--steps", type=int, help="Adam steps (default: the plan's distill section, else 200)")
-    p.add_argument("--lr", type=float)
-    p.add_argument("--batch", type=int, help="windows per step")
-    p.add_argument("--num-tokens", type=int, help="calibration tokens to distill on")
-    p.add_argument("--holdout", type=int, help="windows never trained on that pick the kept state")
-    p.add_argument("--every", type=int, help="held-out check every N steps")
+    p.add_argument("--steps", type=_positive_int, help="Adam steps (default: the plan's distill section, else 200)")
+    p.add_argument("--lr", type=_positive_number)
+    p.add_argument("--batch", type=_positive_int, help="windows per step")
+    p.add_argument("--num-tokens", type=_positive_int, help="calibration tokens to distill on")
+    p.add_argument("--holdout", type=_positive_int, help="windows never trained on that pick the kept state")
+    p.add_argument("--every", type=_positive_int, help="held-out check every N steps")
     p.add_argument("--trainable", choices=DISTILL_TRAINABLE)
     p.add_argument("--out", required=True, help="output folder (the converted folder is never written)")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
+    _trust_flag(p)
     p.set_defaults(func=_distill)
 
-    ev = sub.add_parser("eval", help="evaluate models").add_subparsers(dest="eval_command", required=True)
+    ev = sub.add_parser("eval", help="evaluate models").add_subparsers(dest="eval_command", required=True,
+                                                                       parser_class=_Parser)
     p = ev.add_parser("ppl", help="perplexity on identical token windows for every model")
     p.add_argument("models", nargs="+", help="models (folders, sources or aliases); ratios are to the first")
     p.add_argument("--text", required=True, help="text file or folder, or python-docs:heldout / python-docs:calib")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--max-windows", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--json", help="write results JSON here")
+    p.add_argument("--window", type=_window_length, default=512)
+    p.add_argument("--max-windows", type=_positive_int, default=None)
+    p.add_argument("--batch-size", type=_positive_int, default=1)
+    p.add_argument("--json", help="write results JSON here (a file)")
+    _trust_flag(p)
     p.set_defaults(func=_eval_ppl)
 
     p = ev.add_parser("needle", help="needle/distractor long-context capabilities, scored separately")
@@ -384,28 +454,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for needle.json, needle.md and heatmaps")
     p.add_argument("--lengths", default="1024,2048,4096", help="context lengths in tokens")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="relative insertion depths")
-    p.add_argument("--per-cell", type=int, default=4, help="samples per capability x length x depth")
+    p.add_argument("--per-cell", type=_positive_int, default=4, help="samples per capability x length x depth")
     p.add_argument("--categories", help="comma-separated subset of local,far,distractor,composition,order,repeated")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default="python-docs:heldout", help="haystack text: file, folder or named corpus")
     p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt even if the tokenizer has a chat template")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--export-jsonl", help="also write the samples as JSONL (lm-eval task data)")
+    _trust_flag(p)
     p.set_defaults(func=_eval_needle)
 
     p = ev.add_parser("report", help="one markdown report: ppl, needle capabilities and cost, original vs converted")
     p.add_argument("models", nargs="+", help="ORIGINAL CONVERTED [...]: the first is the reference")
     p.add_argument("--out", required=True)
     p.add_argument("--text", default="python-docs:heldout")
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--max-windows", type=int, default=8)
+    p.add_argument("--window", type=_window_length, default=512)
+    p.add_argument("--max-windows", type=_positive_int, default=8)
     p.add_argument("--needle-lengths", default="1024,2048")
     p.add_argument("--needle-depths", default="0,0.5,1")
-    p.add_argument("--per-cell", type=int, default=2)
+    p.add_argument("--per-cell", type=_positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat-template", action="store_true")
     p.add_argument("--bench-lengths", default="1024,2048")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=_positive_int, default=1)
+    _trust_flag(p)
     p.set_defaults(func=_eval_report)
 
     p = ev.add_parser("lm", help="lm-eval tasks in-process (HFLM over the loaded model)")
@@ -413,27 +485,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names (ours: hf_csa2_needle)")
     p.add_argument("--include_path", "--include-path", action="append", help="extra task folders (default: the repo's evals/)")
     p.add_argument("--metadata", help="JSON passed to the tasks, e.g. '{\"needle_jsonl\": \"samples.jsonl\"}'")
-    p.add_argument("--limit", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--limit", type=_limit, default=None, help="a fraction of each task (<= 1) or a number of examples")
+    p.add_argument("--batch-size", type=_positive_int, default=1)
     p.add_argument("--apply-chat-template", action="store_true")
-    p.add_argument("--json", help="write the results JSON here")
+    p.add_argument("--json", help="write the results JSON here (a file)")
+    _trust_flag(p)
     p.set_defaults(func=_eval_lm)
 
     p = sub.add_parser("bench", help="prefill / TTFT / decode / peak RSS / KV bytes, models interleaved in one process")
     p.add_argument("models", nargs="+", help="models (folders, sources or aliases); ratios are to the first")
     p.add_argument("--lengths", default="2048,4096,8192", help="prompt lengths in tokens")
-    p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per measurement")
-    p.add_argument("--repeats", type=int, default=3, help="medians over this many interleaved repeats")
-    p.add_argument("--batch", type=int, default=1, help="concurrent sequences")
-    p.add_argument("--json", help="write every run and the medians here")
+    p.add_argument("--new-tokens", type=_positive_int, default=16, help="decode steps timed per measurement")
+    p.add_argument("--repeats", type=_positive_int, default=3, help="medians over this many interleaved repeats")
+    p.add_argument("--batch", type=_positive_int, default=1, help="concurrent sequences")
+    p.add_argument("--json", help="write every run and the medians here (a file)")
+    _trust_flag(p)
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("inspect", help="per-layer attention kinds and measured KV-cache size")
     p.add_argument("model")
-    p.add_argument("--tokens", type=int, default=16, help="prefill length for the live-cache measurement")
-    p.add_argument("--context", type=int, help="also measure the live cache after a prefill of this many tokens "
+    p.add_argument("--tokens", type=_positive_int, default=16, help="prefill length for the live-cache measurement")
+    p.add_argument("--context", type=_positive_int, help="also measure the live cache after a prefill of this many tokens "
                    "(windowed layers keep only their window, so the per-token cost depends on it)")
     p.add_argument("--json", action="store_true")
+    _trust_flag(p)
     p.set_defaults(func=_inspect)
 
     p = sub.add_parser("plan", help="search the CSA2 layer plan (which layers are full) for a KV budget; writes a plan YAML")
@@ -442,30 +517,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV elements per token at --context (e.g. 960) or a fraction of the source's (e.g. 1/12)")
     p.add_argument("--plan", required=True, help="base plan YAML (mla, csa2 and calibration sections); the search "
                    "keeps its settings and chooses csa2.layers")
-    p.add_argument("--out", required=True, help="plan YAML to write")
-    p.add_argument("--context", type=int, default=8192, help="context length at which the KV budget is counted")
-    p.add_argument("--refresh", type=int, default=4, help="stale candidates re-scored per greedy step")
-    p.add_argument("--part-windows", type=int, default=4,
+    p.add_argument("--out", required=True, help="plan YAML to write (a file; never the base plan)")
+    p.add_argument("--context", type=_positive_int, default=8192, help="context length at which the KV budget is counted")
+    p.add_argument("--refresh", type=_positive_int, default=4, help="stale candidates re-scored per greedy step")
+    p.add_argument("--part-windows", type=_positive_int, default=4,
                    help="calibration windows each per-layer part (reader, bias, o_proj) is fitted on during the search")
     p.add_argument("--swa-pass", action="store_true",
                    help="then try each reading layer of the chosen plan as swa (own window only; same KV) and keep it "
                         "where the calibration loss falls")
     p.add_argument("--json", help="also write the trade-off curve as JSON")
     p.add_argument("--overwrite", action="store_true")
+    _trust_flag(p)
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("export", help="write a converted checkpoint in a stock transformers architecture")
     p.add_argument("model", help="hf_csa2 checkpoint folder")
     p.add_argument("--format", default="deepseek_v3", help="target format (allowed: deepseek_v3)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
+    _trust_flag(p)
     p.set_defaults(func=_export)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit 0 on success, 2 for a user error (one line on stderr), 130 on
+    Ctrl-C (one line; temp folders removed); anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a bad flag (2, one line already printed)
+        return int(exit_.code or 0)
     args.argv = argv  # recorded in reports so they can be reproduced
     progress = logging.StreamHandler(sys.stderr)
     progress.setFormatter(logging.Formatter("%(message)s"))
@@ -473,16 +555,19 @@ def main(argv: list[str] | None = None) -> int:
     if not package_logger.handlers:
         package_logger.addHandler(progress)
     package_logger.setLevel(logging.INFO)
-    from .data.corpus import CorpusError
-    from .export.deepseek_v3 import ExportError
-    from .surgery.pipeline import OutputExistsError
-    from .surgery.sources import SourceError
-
     try:
         return args.func(args)
-    except (PlanError, SourceError, OutputExistsError, CorpusError, ExportError) as err:
-        print(f"hf-csa2: error: {err}", file=sys.stderr)
+    except UserError as err:
+        print(f"hf-csa2: error: {_one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("hf-csa2: interrupted (unfinished checkpoint folders are removed; eval needle resumes from its journal)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 from ..cache import cache_dir
+from ..errors import UserError
 
 PACKAGE = "python3.11-doc"
 _SOURCES_IN_DEB = Path("usr/share/doc/python3.11/html/_sources")
@@ -60,7 +61,7 @@ _HOW_TO_BYPASS = (
 )
 
 
-class CorpusError(RuntimeError):
+class CorpusError(UserError, RuntimeError):
     """The requested text could not be found, fetched or understood."""
 
 

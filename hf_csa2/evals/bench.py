@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .kv_cache import live_cache_bytes, live_cache_elements
+from ..errors import InputError
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
@@ -100,7 +101,7 @@ def bench(models: list[tuple[str, object]], lengths: list[int], *, new_tokens: i
     """
     dtypes = {str(next(m.parameters()).dtype) for _, m in models}
     if len(dtypes) > 1:
-        raise ValueError(f"models have different dtypes {sorted(dtypes)}; compare like with like")
+        raise InputError(f"models have different dtypes {sorted(dtypes)}; compare like with like")
     dtype = dtypes.pop()
     if warmup:  # first calls pay one-off costs (allocator, kernel selection)
         for _, model in models:

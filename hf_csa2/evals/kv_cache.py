@@ -123,4 +123,29 @@ def measure_kv_elements_at_context(model, num_tokens: int) -> float:
     return live_cache_elements(out.cache) / num_tokens
 
 
-__all__ = ["cache_tensors", "config_kv_elements_at_context", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_at_context", "measure_kv_elements_per_token"]
+def saturation_length(config, context: int) -> int:
+    """Shortest prefill after which every windowed layer already holds what it holds after
+    ``context`` tokens (0 when no window is shorter than ``context``): beyond it the live
+    cache grows by the same number of elements per token."""
+    held = [spec["window"] - 1 + spec.get("sink_tokens", 0) for spec in layer_attention_specs(config) if spec["window"]]
+    held = [h for h in held if h < context]
+    return max(held) + 1 if held else 0
+
+
+@torch.no_grad()
+def measure_kv_elements_per_token_at(model, context: int, step: int = 8) -> float:
+    """Live-cache elements per token after a ``context``-token prefill, without running one.
+
+    Past :func:`saturation_length` the cache is an affine function of the length, so two short
+    prefills (``n`` and ``n + step`` tokens, ``n`` just past the longest window) give it exactly
+    at ``context``; shorter contexts are measured directly.
+    """
+    n1 = max(saturation_length(model.config, context), 1)
+    if n1 + step >= context:
+        return measure_kv_elements_at_context(model, context)
+    e1 = measure_kv_elements_at_context(model, n1) * n1
+    e2 = measure_kv_elements_at_context(model, n1 + step) * (n1 + step)
+    return (e1 + (context - n1) * (e2 - e1) / step) / context
+
+
+__all__ = ["cache_tensors", "config_kv_elements_at_context", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_at_context", "measure_kv_elements_per_token", "measure_kv_elements_per_token_at", "saturation_length"]

@@ -28,6 +28,7 @@ import random
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from ..errors import InputError
 
 CATEGORIES = ("local", "far", "distractor", "composition", "order", "repeated")
 DEFAULT_LENGTHS = (1024, 2048, 4096)
@@ -168,7 +169,7 @@ def make_sample(tokenizer, sentences: list[str], category: str, target_length: i
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
     if count(0) > target_length:
-        raise ValueError(f"target_length={target_length} tokens cannot hold the {category} records and question "
+        raise InputError(f"target_length={target_length} tokens cannot hold the {category} records and question "
                          f"({count(0)} tokens without any haystack); use a longer length")
     # Largest sentence count whose prompt fits: geometric probe then binary search.
     lo, hi = 0, 1
@@ -192,10 +193,10 @@ def generate_samples(tokenizer, haystack_text: str, *, categories=CATEGORIES, le
     """All samples for categories x lengths x depths, ``per_cell`` each (deterministic)."""
     for c in categories:
         if c not in CATEGORIES:
-            raise ValueError(f"category={c!r}; allowed: {', '.join(CATEGORIES)}")
+            raise InputError(f"category={c!r}; allowed: {', '.join(CATEGORIES)}")
     sentences = haystack_sentences(haystack_text)
     if len(sentences) < 50:
-        raise ValueError(f"haystack has only {len(sentences)} sentences; pass a longer text")
+        raise InputError(f"haystack has only {len(sentences)} sentences; pass a longer text")
     return [
         make_sample(tokenizer, sentences, c, n, d, seed, i, distractors, repeats)
         for c in categories for n in lengths for d in depths for i in range(per_cell)

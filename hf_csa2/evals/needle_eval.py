@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .needle import CATEGORIES, NeedleSample, score_output
+from ..errors import InputError
 
 
 def build_prompt(tokenizer, sample: NeedleSample, chat_template: bool = True) -> str:
@@ -76,7 +77,7 @@ class OutputJournal:
             lines = self.path.read_text().splitlines()
             head = json.loads(lines[0]) if lines else {}
             if head.get("settings") != settings:
-                raise ValueError(f"{self.path} holds a needle run with other settings ({head.get('settings')}); "
+                raise InputError(f"{self.path} holds a needle run with other settings ({head.get('settings')}); "
                                  f"delete it or pass another --out to start afresh")
             for line in lines[1:]:
                 try:

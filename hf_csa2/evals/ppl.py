@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from hf_csa2.data.corpus import read_text, resolve_text
+from hf_csa2.errors import InputError
 
 # English BPE averages ~4 chars/token; reading 8x the tokens we need usually
 # covers max_windows in one pass, and we double and retry if it does not.
@@ -93,7 +94,7 @@ def token_windows(
     if max_windows is not None:
         n = min(n, max_windows)
     if n == 0:
-        raise ValueError(
+        raise InputError(
             f"text at {path} tokenizes to {len(ids)} tokens, fewer than one window of {window}"
         )
     return torch.tensor(ids[: n * window], dtype=torch.long).view(n, window)
@@ -116,7 +117,7 @@ def _check_vocab(model, windows: torch.Tensor) -> None:
     emb = get_emb() if callable(get_emb) else None
     n = getattr(emb, "num_embeddings", None)
     if n is not None and windows.numel() and int(windows.max()) >= n:
-        raise ValueError(
+        raise InputError(
             f"token id {int(windows.max())} is outside the model's embedding table "
             f"({n} rows); the windows were made with a different tokenizer"
         )
@@ -250,7 +251,7 @@ def compare_ppl(
                 # stream, so re-deriving just one window is an exact check.
                 ids = _token_stream(tokenizer, path, need=window)[:window]
                 if ids != windows[0].tolist():
-                    raise ValueError(
+                    raise InputError(
                         f"model {name!r} uses a different tokenizer than {results[0]['model']!r}: "
                         "the first window tokenizes to different ids; perplexities over "
                         "different tokenizations are not comparable"

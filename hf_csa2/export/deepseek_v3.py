@@ -21,19 +21,24 @@ short and long tables) that reproduces them.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+from ..errors import UserError
+from ..io.checkpoint import save_checkpoint
+from ..io.output import OUTPUT_MARKER, check_output_dir
 from ..model import Csa2ForCausalLM, Csa2LatentAttention
+from ..surgery.sources import load_source, resolve_source
 
 EXPORT_FORMATS = ("deepseek_v3",)
 EXPORTABLE_BASES = ("llama", "mistral", "qwen2")
 
 
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The model uses something the target format cannot express; the message says what."""
 
 
@@ -166,17 +171,31 @@ def to_deepseek_v3(model) -> DeepseekV3ForCausalLM:
 
 
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, fmt: str = "deepseek_v3",
-                      overwrite: bool = False) -> Path:
-    """Load an hf_csa2 checkpoint folder and write it in ``fmt`` (atomic, source untouched)."""
-    from ..surgery.pipeline import check_output_dir, save_checkpoint
-    from ..surgery.sources import load_source
+                      overwrite: bool = False, trust_remote_code: bool = False) -> Path:
+    """Load an hf_csa2 checkpoint folder and write it in ``fmt`` (atomic, source untouched).
 
+    The output's ``conversion_report.json`` is the source folder's report with an ``export``
+    entry (format and source folder) added.
+    """
     if fmt not in EXPORT_FORMATS:
         raise ExportError(f"format {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
-    check_output_dir(out_dir, overwrite)
-    loaded = load_source(str(model_dir), check_supported=False)
+    inputs = [("checkpoint to export", resolve_source(model_dir)[1])]
+    check_output_dir(out_dir, overwrite=overwrite, inputs=inputs)
+    loaded = load_source(str(model_dir), check_supported=False, trust_remote_code=trust_remote_code)
     exported = to_deepseek_v3(loaded.model)
-    return save_checkpoint(exported, loaded.tokenizer, out_dir, overwrite=overwrite)
+    report_path = loaded.path / OUTPUT_MARKER
+    try:
+        report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    except ValueError:
+        report = {}
+    if not isinstance(report, dict):
+        report = {}
+    report = {**report, "export": {"format": fmt, "from": str(loaded.path)}}
+    extra = {OUTPUT_MARKER: json.dumps(report, indent=2)}
+    plan_path = loaded.path / "hf_csa2_plan.yaml"
+    if plan_path.is_file():
+        extra[plan_path.name] = plan_path.read_text()
+    return save_checkpoint(exported, loaded.tokenizer, out_dir, overwrite=overwrite, extra_files=extra, inputs=inputs)
 
 
 __all__ = ["EXPORT_FORMATS", "ExportError", "deepseek_v3_config", "export_checkpoint", "export_problems", "to_deepseek_v3"]

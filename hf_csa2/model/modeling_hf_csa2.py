@@ -110,6 +110,10 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
                     own_cache_layer(layer.self_attn, cache)
         return out
 
+    @property
+    def _reads_by_position(self) -> bool:
+        return any(spec["kind"] == "csa2" for spec in self.config.attention_layers)
+
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
@@ -132,6 +136,13 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         """Same contract as the source ``*ForCausalLM.forward``: logits [B, T, vocab]."""
         if cache is None:
             cache = kwargs.pop("past_key_values", None)
+        if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and self._reads_by_position
+                and not bool(attention_mask.all())):
+            # CSA2 layers build their read sets from positions alone: padding would be read as text.
+            raise ValueError(
+                "this model has CSA2 layers, which do not support padded batches yet (attention_mask has padding); "
+                "run batch size 1 or a batch of equal-length unpadded inputs (e.g. lm-eval --batch_size 1)"
+            )
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -11,18 +11,19 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..data.corpus import resolve_text
-from ..evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
+from ..evals.kv_cache import config_kv_elements_at_context, measure_kv_elements_per_token_at
 from ..evals.ppl import mean_nll, token_windows
+from ..io.checkpoint import save_checkpoint
+from ..io.output import OUTPUT_MARKER, OutputError, OutputExistsError, check_output_dir
 from ..model import SUPPORTED_BASE_MODEL_TYPES
 from ..training.distill import distill_to_source
 from .csa2 import apply_csa2
@@ -31,24 +32,26 @@ from .mla import apply_mla
 from .plan import ConversionPlan, PlanError
 from .rebuild import is_csa2, to_native
 from .sinks import add_sinks, calibrate_sinks
-from .sources import SourceError, load_source, resolve_source
+from .sources import SourceError, load_source, peek_config, resolve_source
 
 
 logger = logging.getLogger(__name__)  # long stages report progress here (the CLI shows INFO on stderr)
 
 
-class OutputExistsError(FileExistsError):
-    """The output folder exists and ``overwrite`` was not given."""
-
-
 @dataclass
 class StageReport:
+    """One stage's figures: calibration ppl on the scoring windows and the KV-cache elements
+    per token at a ``kv_context``-token context, measured from the live cache (and counted
+    from the config, which must agree). Reports written before ``kv_context`` existed hold
+    ``None`` there: their figures were measured after a 16-token prefill."""
+
     stage: str
     calib_ppl: float
     kv_elements_per_token: float
-    kv_elements_per_token_config: int
+    kv_elements_per_token_config: float
     seconds: float
     notes: dict = field(default_factory=dict)
+    kv_context: int | None = None
 
 
 @dataclass
@@ -73,10 +76,11 @@ class ConversionResult:
     def report_dict(self) -> dict:
         return {"source": self.source, "plan": self.plan.to_dict(), "stages": [asdict(r) for r in self.report]}
 
-    def save(self, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-        """Write an HF checkpoint (+ tokenizer, conversion_report.json, the plan) atomically."""
-        return save_checkpoint(self.model, self.tokenizer, out_dir, overwrite=overwrite,
-                               extra_files={"conversion_report.json": json.dumps(self.report_dict(), indent=2),
+    def save(self, out_dir: str | os.PathLike, overwrite: bool = False, inputs=()) -> Path:
+        """Write an HF checkpoint (+ tokenizer, conversion_report.json, the plan) atomically;
+        ``inputs``: ``(role, path)`` pairs the output must not touch (see :func:`check_output_dir`)."""
+        return save_checkpoint(self.model, self.tokenizer, out_dir, overwrite=overwrite, inputs=inputs,
+                               extra_files={OUTPUT_MARKER: json.dumps(self.report_dict(), indent=2),
                                             "hf_csa2_plan.yaml": self.plan.to_yaml()})
 
 
@@ -208,40 +212,39 @@ def run_stages(model, plan: ConversionPlan, calib: Calibration, *, before: str |
 
 
 def as_plan(plan) -> ConversionPlan:
-    if plan is None:
-        return ConversionPlan()
+    """A validated plan from a ConversionPlan, a dict or a YAML path; a plan without any
+    surgery section is refused (it would write an unchanged copy)."""
     if isinstance(plan, ConversionPlan):
-        return plan
-    if isinstance(plan, dict):
-        return ConversionPlan.from_dict(plan)
-    if isinstance(plan, (str, os.PathLike)):
-        return ConversionPlan.from_yaml(plan)
-    raise PlanError(f"plan must be a ConversionPlan, a dict or a YAML path, got {type(plan).__name__}")
+        pass
+    elif isinstance(plan, dict):
+        plan = ConversionPlan.from_dict(plan)
+    elif isinstance(plan, (str, os.PathLike)):
+        plan = ConversionPlan.from_yaml(plan)
+    elif plan is None:
+        plan = ConversionPlan()
+    else:
+        raise PlanError(f"plan must be a ConversionPlan, a dict or a YAML path, got {type(plan).__name__}")
+    if plan.is_noop_surgery:
+        raise PlanError("the plan has no surgery section, so the output would be an unchanged copy; allowed: at least "
+                        "one of gqa, mla, sinks, csa2 (see conversion/)")
+    return plan
 
 
-def peek_config(kind: str, path: Path):
-    """The source's config without loading its weights."""
-    if path.is_file() and path.suffix == ".gguf":  # aliases and GGUF-only Hub snapshots too
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoConfig.from_pretrained(path)
-
-
-def check_output_dir(out_dir: str | os.PathLike, overwrite: bool) -> Path:
-    out = Path(out_dir).expanduser()
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"output folder {str(out)!r} exists; pass --overwrite (overwrite=True) to replace it")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"output path {str(out)!r} exists and is not a folder")
-    return out
-
-
-def _stage_report(name: str, model, calib: Calibration, started: float, notes: dict) -> StageReport:
+def _stage_report(name: str, model, calib: Calibration, started: float, notes: dict, context: int) -> StageReport:
     ppl = mean_nll(model, calib.score)["ppl"] if calib.score.shape[0] else float("nan")
     return StageReport(
-        stage=name, calib_ppl=ppl, kv_elements_per_token=measure_kv_elements_per_token(model),
-        kv_elements_per_token_config=config_kv_elements_per_token(model.config),
-        seconds=round(time.perf_counter() - started, 2), notes=notes,
+        stage=name, calib_ppl=ppl, kv_elements_per_token=measure_kv_elements_per_token_at(model, context),
+        kv_elements_per_token_config=config_kv_elements_at_context(model.config, context) / context,
+        seconds=round(time.perf_counter() - started, 2), notes=notes, kv_context=context,
     )
+
+
+def conversion_inputs(source_path: Path, plan: ConversionPlan, plan_path=None) -> list[tuple[str, Path]]:
+    """What a conversion reads (and its output must therefore never touch)."""
+    inputs = [("source", source_path), ("calibration text", resolve_text(plan.calibration.text))]
+    if plan_path is not None:
+        inputs.append(("plan", Path(plan_path)))
+    return inputs
 
 
 @dataclass
@@ -253,11 +256,12 @@ class PreparedSource:
     config: object
 
 
-def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None] = print) -> PreparedSource:
+def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None] = print, *,
+                   trust_remote_code: bool = False) -> PreparedSource:
     """Check ``plan`` against the source's config (before loading weights), load the source
     and cut the calibration windows (``fit`` / ``score``)."""
     kind, path = resolve_source(source)
-    config = peek_config(kind, path)
+    config = peek_config(kind, path, trust_remote_code=trust_remote_code)
     if config.model_type not in SUPPORTED_BASE_MODEL_TYPES:
         raise SourceError(
             f"{source!r} is a {config.model_type!r} model; supported architectures: {', '.join(SUPPORTED_BASE_MODEL_TYPES)}"
@@ -265,7 +269,7 @@ def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None]
     plan.validate_for(config)
     text_path = resolve_text(plan.calibration.text)
     t0 = time.perf_counter()
-    loaded = load_source(source, dtype=getattr(torch, plan.dtype))
+    loaded = load_source(source, dtype=getattr(torch, plan.dtype), trust_remote_code=trust_remote_code)
     model = loaded.model.eval()
     model.config._attn_implementation = model.config._attn_implementation or "sdpa"
     cal = plan.calibration
@@ -292,24 +296,32 @@ def convert(
     out_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
     log: Callable[[str], None] = print,
+    plan_path: str | os.PathLike | None = None,
+    trust_remote_code: bool = False,
 ) -> ConversionResult:
     """Convert ``source`` following ``plan``; save to ``out_dir`` when given.
 
     All input checks (plan fields, source existence and architecture, KV heads dividing the
-    query heads, output folder) run before any weights are loaded.
+    query heads, output folder: never an input, its parent or inside one) run before any
+    weights are loaded. ``plan_path``: the file the plan came from, when it was passed as an
+    object (protected like the other inputs).
     """
+    if isinstance(plan, (str, os.PathLike)) and plan_path is None:
+        plan_path = plan
     plan = as_plan(plan)
+    kind, source_path = resolve_source(source)
+    inputs = conversion_inputs(source_path, plan, plan_path)
     if out_dir is not None:
-        check_output_dir(out_dir, overwrite)
+        check_output_dir(out_dir, overwrite=overwrite, inputs=inputs)
     t0 = time.perf_counter()
-    prepared = prepare_source(source, plan, log)
+    prepared = prepare_source(source, plan, log, trust_remote_code=trust_remote_code)
     loaded, model, calib, kind, config = (prepared.loaded, prepared.model, prepared.calib, prepared.kind,
                                           prepared.config)
-    report = [_stage_report("source", model, calib, t0, {"kind": kind, "model_type": config.model_type})]
+    report = [_stage_report("source", model, calib, t0, {"kind": kind, "model_type": config.model_type}, plan.context)]
     log(format_stage(report[-1]))
 
     def on_stage(name: str, stage_model, started: float, notes: dict) -> None:
-        report.append(_stage_report(name, stage_model, calib, started, notes))
+        report.append(_stage_report(name, stage_model, calib, started, notes, plan.context))
         log(format_stage(report[-1]))
 
     model = run_stages(model, plan, calib, on_stage=on_stage)
@@ -317,7 +329,7 @@ def convert(
         model = to_native(model)  # e.g. a plain Llama with fewer KV heads: no remote code needed
     result = ConversionResult(model=model, tokenizer=loaded.tokenizer, plan=plan, source=source, report=report)
     if out_dir is not None:
-        result.save(out_dir, overwrite=overwrite)
+        result.save(out_dir, overwrite=overwrite, inputs=inputs)
         log(f"saved {out_dir}")
     return result
 
@@ -330,6 +342,7 @@ def distill_checkpoint(
     overrides: dict | None = None,
     overwrite: bool = False,
     log: Callable[[str], None] = print,
+    trust_remote_code: bool = False,
 ) -> ConversionResult:
     """Run (more) distillation toward ``source`` on an already converted checkpoint.
 
@@ -339,10 +352,9 @@ def distill_checkpoint(
     result is saved to ``out_dir`` (the converted folder itself is never written) with the
     stage appended to its ``conversion_report.json``.
     """
-    folder = Path(converted)
-    if Path(out_dir).expanduser().resolve() == folder.expanduser().resolve():
-        raise OutputExistsError(f"--out {str(out_dir)!r} is the converted folder itself; write to another folder")
-    check_output_dir(out_dir, overwrite)
+    kind, folder = resolve_source(converted)
+    if kind != "dir":
+        raise SourceError(f"{str(converted)!r} is not a checkpoint folder; allowed: a folder written by `hf-csa2 convert`")
     plan_path = folder / "hf_csa2_plan.yaml"
     if not plan_path.is_file():
         raise PlanError(f"{str(folder)!r} has no hf_csa2_plan.yaml: only checkpoints written by `hf-csa2 convert` "
@@ -350,61 +362,54 @@ def distill_checkpoint(
     data = ConversionPlan.from_yaml(plan_path).to_dict()
     data["distill"] = {**(data.get("distill") or {}), **(overrides or {})}
     plan = ConversionPlan.from_dict(data)  # validates the overrides before anything is loaded
-    report_path = folder / "conversion_report.json"
-    previous = json.loads(report_path.read_text()) if report_path.is_file() else {"source": source, "stages": []}
+    _, source_path = resolve_source(source)
+    inputs = [("converted checkpoint", folder)] + conversion_inputs(source_path, plan)
+    check_output_dir(out_dir, overwrite=overwrite, inputs=inputs)
+    report_path = folder / OUTPUT_MARKER
+    previous = _read_report(report_path) if report_path.is_file() else {"source": source, "stages": []}
     t0 = time.perf_counter()
-    prepared = prepare_source(source, plan, log)
-    student = load_source(converted, dtype=getattr(torch, plan.dtype)).model
+    prepared = prepare_source(source, plan, log, trust_remote_code=trust_remote_code)
+    student = load_source(folder, dtype=getattr(torch, plan.dtype), trust_remote_code=trust_remote_code).model
     model, notes = distill_stage(student, plan, prepared.calib, prepared.model)
-    stage = _stage_report("distill", model, prepared.calib, t0, {"continued_from": str(folder), **notes})
+    stage = _stage_report("distill", model, prepared.calib, t0, {"continued_from": str(folder), **notes}, plan.context)
     log(format_stage(stage))
     stages = [StageReport(**r) for r in previous["stages"]] + [stage]
     result = ConversionResult(model=model, tokenizer=prepared.loaded.tokenizer, plan=plan, source=source, report=stages)
-    result.save(out_dir, overwrite=overwrite)
+    result.save(out_dir, overwrite=overwrite, inputs=inputs)
     log(f"saved {out_dir}")
     return result
 
 
+def _read_report(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        stages = [StageReport(**r) for r in data["stages"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise OutputError(f"{str(path)!r} is not a conversion report hf-csa2 can extend ({err})") from None
+    return {**data, "stages": [asdict(r) for r in stages]}
+
+
+def _context_words(context: int | None) -> str:
+    return f"at {context} tokens" if context else "after a 16-token prefill"
+
+
 def format_stage(r: StageReport) -> str:
-    return (f"[stage {r.stage:>6}] calib ppl {r.calib_ppl:8.3f} | KV elements/token {r.kv_elements_per_token:8.0f} "
-            f"(config {r.kv_elements_per_token_config}) | {r.seconds:6.1f}s | {r.notes}")
+    return (f"[stage {r.stage:>6}] calib ppl {r.calib_ppl:8.3f} | KV elements/token {_context_words(r.kv_context)} "
+            f"{r.kv_elements_per_token:8.1f} (config {r.kv_elements_per_token_config:.1f}) | {r.seconds:6.1f}s | {r.notes}")
 
 
 def format_report_table(report: list[StageReport]) -> str:
-    """Markdown table of the stage report (ppl ratios to the source stage)."""
+    """Markdown table of the stage report (ppl ratios to the source stage); the KV column says
+    at which context it was measured."""
     base = report[0].calib_ppl
-    lines = ["| stage | calib ppl | ratio | KV elements/token |", "|---|---:|---:|---:|"]
+    contexts = {r.kv_context for r in report}
+    header = _context_words(contexts.pop()) if len(contexts) == 1 else "(context per row)"
+    lines = [f"| stage | calib ppl | ratio | KV elements/token {header} |", "|---|---:|---:|---:|"]
     for r in report:
-        lines.append(f"| {r.stage} | {r.calib_ppl:.3f} | {r.calib_ppl / base:.3f} | {r.kv_elements_per_token:.0f} |")
+        where = f" ({_context_words(r.kv_context)})" if header == "(context per row)" else ""
+        lines.append(f"| {r.stage} | {r.calib_ppl:.3f} | {r.calib_ppl / base:.3f} | {r.kv_elements_per_token:.1f}{where} |")
     return "\n".join(lines)
 
 
-def save_checkpoint(model, tokenizer, out_dir, *, overwrite: bool = False, extra_files: dict | None = None) -> Path:
-    """Save into a temp folder beside ``out_dir`` and rename it into place, so a failure never
-    leaves a half-written checkpoint and an existing one is replaced only on success."""
-    out = check_output_dir(out_dir, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
-
-
-__all__ = ["ConversionResult", "OutputExistsError", "StageReport", "convert", "distill_checkpoint", "format_report_table",
-           "save_checkpoint"]
+__all__ = ["ConversionResult", "OutputExistsError", "StageReport", "convert", "conversion_inputs", "distill_checkpoint",
+           "format_report_table"]

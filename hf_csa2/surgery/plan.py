@@ -1,7 +1,9 @@
 """Declarative conversion plans: typed dataclasses mirrored by YAML presets in conversion/.
 
-A plan says WHAT to build; the pipeline decides how. Every field is validated up front,
-with errors naming the field and its allowed values, before any model is loaded.
+A plan says WHAT to build; the pipeline decides how. Every field is typed and bounded
+(pydantic validates it: real booleans, finite numbers, sizes within limits, no unknown keys),
+and the checks across fields run right after, so a bad plan fails with one line naming the
+field and its allowed values before any model is loaded.
 
 Example (conversion/smollm2-mqa.yaml)::
 
@@ -16,11 +18,18 @@ Example (conversion/smollm2-mqa.yaml)::
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import typing
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Optional, Union
 
+import annotated_types
 import yaml
+from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+from ..errors import UserError
+from ..model.configuration_hf_csa2 import CSA2_MODES
 
 GQA_INITS = ("calibrated", "mean")
 MLA_INITS = ("activation_aware", "weight_svd")
@@ -28,25 +37,49 @@ MLA_ROPE_KEYS = ("shared", "per_head")
 MLA_ROPE_CRITERIA = ("perturbation", "norm")
 SINK_INITS = ("calibrated", "off")
 DTYPES = ("float32", "bfloat16", "float16")
-CSA2_MODES = ("swa", "full", "reindex", "reuse")  # the model config's list (kept import-free here)
+CSA2_OTHER_MODES = ("reuse", "reindex", "swa")
 DISTILL_TRAINABLE = ("attention", "all")  # hf_csa2.training.distill.TRAINABLE (kept import-free here)
 
+# Upper bounds: far above anything these models use, low enough that a typo (1e11 tokens,
+# a 2^60 top-k) is refused at once instead of failing after minutes of work.
+MAX_HEADS = 4096
+MAX_WIDTH = 1 << 16  # latent / rope widths
+MAX_TOKENS = 1 << 31  # calibration / distillation text
+MAX_SEQ = 1 << 20  # window, top_k, seq_len, context
+MAX_STEPS = 10_000_000
+MAX_RIDGE = 1e6
 
-class PlanError(ValueError):
+
+class PlanError(UserError, ValueError):
     """A plan field has a bad value; the message names the field and the allowed values."""
 
 
-@dataclass
+def _int(low: int, high: int):
+    return Annotated[int, Strict(), Field(ge=low, le=high)]
+
+
+def _number(high: float, *, positive: bool = True):
+    bound = Field(gt=0, le=high) if positive else Field(ge=0, le=high)
+    return Annotated[float, Strict(), bound]
+
+
+Bool = Annotated[bool, Strict()]
+Text = Annotated[str, Strict(), Field(min_length=1)]
+
+_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+@dataclass(config=_CONFIG)
 class GqaPlan:
     """Reduce every layer to ``num_key_value_heads`` KV heads (1 = MQA)."""
 
-    num_key_value_heads: int
-    init: str = "calibrated"  # "calibrated": RoPE-aware weighted PCA merge; "mean": Ainslie et al. mean-pooling
-    refit_output: bool = True  # with "calibrated": least-squares refit of o_proj to the source's attention output
-    ridge: float = 0.3  # refit regularisation toward the merged o_proj, relative to mean diag(A^T A)
+    num_key_value_heads: _int(1, MAX_HEADS)
+    init: Literal[GQA_INITS] = "calibrated"  # "calibrated": RoPE-aware weighted PCA merge; "mean": Ainslie et al. mean-pooling
+    refit_output: Bool = True  # with "calibrated": least-squares refit of o_proj to the source's attention output
+    ridge: _number(MAX_RIDGE) = 0.3  # refit regularisation toward the merged o_proj, relative to mean diag(A^T A)
 
 
-@dataclass
+@dataclass(config=_CONFIG)
 class MlaPlan:
     """Rewrite every layer into multi-head latent attention.
 
@@ -55,24 +88,24 @@ class MlaPlan:
     KV head's rope key (per_head).
     """
 
-    kv_lora_rank: int
-    qk_rope_head_dim: int
-    rope_key: str = "shared"  # "shared": one rope key mixing the KV heads per frequency; "per_head": one per KV head
-    rope_criterion: str = "perturbation"  # which frequencies keep RoPE: attention-weighted logit damage, or MHA2MLA's 2-norm
-    init: str = "activation_aware"  # latent factorisation: covariance/readout-weighted, or plain weight SVD
-    latent_norm: bool = False  # RMS-normalise the latent (DeepSeek-V3 kv_a_layernorm; needed for export)
-    uniform_rope: bool = False  # the same rope frequencies in every layer (one rope table; needed for export)
-    averaged_values: bool = False  # judge value rows under the attention-averaged input moment (alternating refinement)
-    drop_fast_terms: bool = False  # remove non-RoPE terms whose removal costs less than a position-free copy
-    uneven_ranks: bool = False  # kv_lora_rank is the average; per-layer ranks from calibration error (same total)
-    compare_weight_svd: bool = True  # also score the plain weight-SVD init in the stage report
-    refit_output: bool = True  # least-squares refit of o_proj to the source's attention output
-    ridge: float = 0.3
-    refine_steps: int = 0  # then Adam steps per layer on its output error (best state on held-out windows kept)
-    refine_lr: float = 1e-4
+    kv_lora_rank: _int(1, MAX_WIDTH)
+    qk_rope_head_dim: _int(0, MAX_WIDTH)
+    rope_key: Literal[MLA_ROPE_KEYS] = "shared"  # "shared": one rope key mixing the KV heads per frequency; "per_head": one per KV head
+    rope_criterion: Literal[MLA_ROPE_CRITERIA] = "perturbation"  # which frequencies keep RoPE: attention-weighted logit damage, or MHA2MLA's 2-norm
+    init: Literal[MLA_INITS] = "activation_aware"  # latent factorisation: covariance/readout-weighted, or plain weight SVD
+    latent_norm: Bool = False  # RMS-normalise the latent (DeepSeek-V3 kv_a_layernorm; needed for export)
+    uniform_rope: Bool = False  # the same rope frequencies in every layer (one rope table; needed for export)
+    averaged_values: Bool = False  # judge value rows under the attention-averaged input moment (alternating refinement)
+    drop_fast_terms: Bool = False  # remove non-RoPE terms whose removal costs less than a position-free copy
+    uneven_ranks: Bool = False  # kv_lora_rank is the average; per-layer ranks from calibration error (same total)
+    compare_weight_svd: Bool = True  # also score the plain weight-SVD init in the stage report
+    refit_output: Bool = True  # least-squares refit of o_proj to the source's attention output
+    ridge: _number(MAX_RIDGE) = 0.3
+    refine_steps: _int(0, MAX_STEPS) = 0  # then Adam steps per layer on its output error (best state on held-out windows kept)
+    refine_lr: _number(1.0) = 1e-4
 
 
-@dataclass
+@dataclass(config=_CONFIG)
 class Csa2Plan:
     """Rewrite the model into CSA2 shared-KV sparse layers (needs the ``mla`` section: it says
     how full layers build their shared latent entries).
@@ -83,17 +116,17 @@ class Csa2Plan:
     reindex layer. Each read attends Top-K (``top_k``) plus the layer's own ``window``.
     """
 
-    layers: list | None = None
-    full_every: int | None = None
-    other_mode: str = "reuse"
-    window: int = 128
-    top_k: int = 256
-    sinks: bool | None = None  # None: keep each layer's own (e.g. from the sinks stage)
-    sink_tokens: int = 0  # non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)
-    refine_entry_bias: bool = False  # move each head's entry bias to minimise its read-out error (down to off)
-    reader_ridge: float = 1e-3  # reader least squares, relative to mean diag(C^T C)
-    refit_output: bool = True  # o_proj of reindex/reuse/swa layers refit to the source's attention output
-    indexer_warmup_steps: int = 100  # KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)
+    layers: Optional[Annotated[list[Literal[CSA2_MODES]], Field(min_length=1, max_length=MAX_HEADS)]] = None
+    full_every: Optional[_int(1, MAX_HEADS)] = None
+    other_mode: Literal[CSA2_OTHER_MODES] = "reuse"
+    window: _int(1, MAX_SEQ) = 128
+    top_k: _int(1, MAX_SEQ) = 256
+    sinks: Optional[Bool] = None  # None: keep each layer's own (e.g. from the sinks stage)
+    sink_tokens: _int(0, MAX_SEQ) = 0  # non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)
+    refine_entry_bias: Bool = False  # move each head's entry bias to minimise its read-out error (down to off)
+    reader_ridge: _number(MAX_RIDGE) = 1e-3  # reader least squares, relative to mean diag(C^T C)
+    refit_output: Bool = True  # o_proj of reindex/reuse/swa layers refit to the source's attention output
+    indexer_warmup_steps: _int(0, MAX_STEPS) = 100  # KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)
 
     def layer_modes(self, num_layers: int) -> list[str]:
         if self.layers is not None:
@@ -101,15 +134,15 @@ class Csa2Plan:
         return ["full" if i % self.full_every == 0 else self.other_mode for i in range(num_layers)]
 
 
-@dataclass
+@dataclass(config=_CONFIG)
 class SinksPlan:
     """Add one learnable sink logit per query head."""
 
-    init: str = "calibrated"  # "calibrated": just below every calibration row's logsumexp; "off": -1e4
-    margin: float = 24.0  # calibrated sinks sit this far (in nats) below the smallest logsumexp seen
+    init: Literal[SINK_INITS] = "calibrated"  # "calibrated": just below every calibration row's logsumexp; "off": -1e4
+    margin: _number(1e4, positive=False) = 24.0  # calibrated sinks sit this far (in nats) below the smallest logsumexp seen
 
 
-@dataclass
+@dataclass(config=_CONFIG)
 class DistillPlan:
     """After the surgery stages: Adam on KL(source || converted) of the next-token
     distributions over calibration windows (the source's predictions are the only targets).
@@ -119,37 +152,46 @@ class DistillPlan:
     decide which state is kept (the converted start included).
     """
 
-    steps: int = 200
-    lr: float = 1e-4
-    batch: int = 4  # windows per step
-    num_tokens: int = 32768
-    holdout: int = 4  # windows
-    every: int = 10  # held-out check every N steps
-    trainable: str = "attention"  # "attention": only the rewritten attention modules; "all": all but embeddings/head
+    steps: _int(1, MAX_STEPS) = 200
+    lr: _number(1.0) = 1e-4
+    batch: _int(1, MAX_HEADS) = 4  # windows per step
+    num_tokens: _int(1, MAX_TOKENS) = 32768
+    holdout: _int(1, MAX_HEADS) = 4  # windows
+    every: _int(1, MAX_STEPS) = 10  # held-out check every N steps
+    trainable: Literal[DISTILL_TRAINABLE] = "attention"  # "attention": only the rewritten attention modules; "all": all but embeddings/head
 
 
-@dataclass
+@dataclass(config=_CONFIG)
 class CalibrationPlan:
     """Text used to fit inits and to score each stage."""
 
-    text: str = "python-docs:calib"  # a file/folder, or a named corpus (python-docs:calib)
-    num_tokens: int = 8192
-    seq_len: int = 512
-    eval_windows: int = 4  # windows of seq_len scored after each stage (report ppl)
+    text: Text = "python-docs:calib"  # a file/folder, or a named corpus (python-docs:calib)
+    num_tokens: _int(1, MAX_TOKENS) = 8192
+    seq_len: _int(2, MAX_SEQ) = 512
+    eval_windows: _int(0, MAX_HEADS) = 4  # windows of seq_len scored after each stage (report ppl)
 
 
-@dataclass
+SURGERY_SECTIONS = ("gqa", "mla", "sinks", "csa2")
+
+
+@dataclass(config=_CONFIG)
 class ConversionPlan:
     """A full conversion: optional GQA/MQA, optional MLA, optional sinks, optional CSA2, optional
-    distillation toward the source, calibration settings (stages run in that order)."""
+    distillation toward the source, calibration settings (stages run in that order).
 
-    gqa: GqaPlan | None = None
-    mla: MlaPlan | None = None
-    sinks: SinksPlan | None = None
-    csa2: Csa2Plan | None = None
-    distill: DistillPlan | None = None
+    ``context`` is the context length the converted model is meant for: the stage report
+    counts KV-cache elements per token at it (windowed layers hold a fixed number of tokens,
+    so the figure depends on the context).
+    """
+
+    gqa: Optional[GqaPlan] = None
+    mla: Optional[MlaPlan] = None
+    sinks: Optional[SinksPlan] = None
+    csa2: Optional[Csa2Plan] = None
+    distill: Optional[DistillPlan] = None
     calibration: CalibrationPlan = field(default_factory=CalibrationPlan)
-    dtype: str = "float32"
+    dtype: Literal[DTYPES] = "float32"
+    context: _int(1, MAX_SEQ) = 8192
 
     def __post_init__(self):
         self.validate()
@@ -157,40 +199,49 @@ class ConversionPlan:
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "ConversionPlan":
-        data = dict(data or {})
-        _reject_unknown(data, cls, "plan")
-        kwargs: dict[str, Any] = {}
-        if data.get("gqa") is not None:
-            kwargs["gqa"] = _build(GqaPlan, data["gqa"], "gqa")
-        if data.get("mla") is not None:
-            kwargs["mla"] = _build(MlaPlan, data["mla"], "mla")
-        if data.get("sinks") is not None:
-            sinks = data["sinks"]
-            if sinks is True:
-                sinks = {}
-            if sinks is not False:
-                kwargs["sinks"] = _build(SinksPlan, sinks, "sinks")
-        if data.get("csa2") is not None:
-            kwargs["csa2"] = _build(Csa2Plan, data["csa2"], "csa2")
-        if data.get("distill") is not None:
-            kwargs["distill"] = _build(DistillPlan, data["distill"], "distill")
-        if data.get("calibration") is not None:
-            kwargs["calibration"] = _build(CalibrationPlan, data["calibration"], "calibration")
-        if "dtype" in data:
-            kwargs["dtype"] = data["dtype"]
-        return cls(**kwargs)
+        """Build and validate a plan from its YAML mapping (``sinks: true`` means default sinks)."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan must be a mapping of sections ({', '.join(_field_names(cls))}), got {data!r}")
+        _check_keys(data, "plan")
+        data = dict(data)
+        if data.get("sinks") is True:
+            data["sinks"] = {}
+        elif data.get("sinks") is False:
+            data["sinks"] = None
+        if "calibration" in data and data["calibration"] is None:  # `calibration:` left empty: the defaults
+            del data["calibration"]
+        try:
+            return _ADAPTER.validate_python(data)
+        except ValidationError as err:
+            raise PlanError(_describe(err)) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ConversionPlan":
+        """Read a plan file; an empty (or comment-only) file is refused."""
         path = Path(path)
+        if path.is_dir():
+            raise PlanError(f"plan {str(path)!r} is a folder; allowed: a YAML file (see conversion/)")
         if not path.is_file():
             raise PlanError(f"plan file {str(path)!r} does not exist")
         try:
-            data = yaml.safe_load(path.read_text())
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise PlanError(f"plan file {str(path)!r} is not UTF-8 text; allowed: a YAML file (see conversion/)") from None
+        except OSError as err:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {err.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
         except yaml.YAMLError as err:
-            raise PlanError(f"plan file {str(path)!r} is not valid YAML: {err}") from err
-        if data is not None and not isinstance(data, dict):
-            raise PlanError(f"plan file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+            where = getattr(err, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            raise PlanError(f"plan file {str(path)!r} is not valid YAML{at}: {getattr(err, 'problem', None) or err}") from None
+        if data is None:
+            raise PlanError(f"plan file {str(path)!r} is empty; it needs at least one of the sections "
+                            f"{', '.join(SURGERY_SECTIONS)} (see conversion/)")
+        if not isinstance(data, dict):
+            raise PlanError(f"plan file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,53 +252,25 @@ class ConversionPlan:
 
     # -- validation -----------------------------------------------------------------------
     def validate(self) -> None:
-        """Checks that need no model."""
-        if self.dtype not in DTYPES:
-            raise PlanError(f"dtype={self.dtype!r}; allowed: {', '.join(DTYPES)}")
-        if self.gqa is not None:
-            kv = self.gqa.num_key_value_heads
-            if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1:
-                raise PlanError(f"gqa.num_key_value_heads={kv!r}; allowed: a positive integer dividing the query heads")
-            if not isinstance(self.gqa.ridge, (int, float)) or self.gqa.ridge <= 0:
-                raise PlanError(f"gqa.ridge={self.gqa.ridge!r}; allowed: a positive number")
-            if self.gqa.init not in GQA_INITS:
-                raise PlanError(f"gqa.init={self.gqa.init!r}; allowed: {', '.join(GQA_INITS)}")
-        if self.mla is not None:
-            self._validate_mla()
-        if self.csa2 is not None:
-            self._validate_csa2()
-        if self.sinks is not None and self.sinks.init not in SINK_INITS:
-            raise PlanError(f"sinks.init={self.sinks.init!r}; allowed: {', '.join(SINK_INITS)}")
-        if self.distill is not None:
-            self._validate_distill()
+        """Checks across fields that need no model (each field's type and range is already
+        checked by its annotation)."""
         cal = self.calibration
-        for name in ("num_tokens", "seq_len", "eval_windows"):
-            value = getattr(cal, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "eval_windows" else 1):
-                raise PlanError(f"calibration.{name}={value!r}; allowed: a positive integer")
         if cal.num_tokens < cal.seq_len:
             raise PlanError(
                 f"calibration.num_tokens={cal.num_tokens} is below calibration.seq_len={cal.seq_len}; "
                 "allowed: num_tokens >= seq_len"
             )
+        if self.mla is not None:
+            self._validate_mla()
+        if self.csa2 is not None:
+            self._validate_csa2()
+        if self.distill is not None:
+            self._validate_distill()
 
     def _validate_mla(self) -> None:
         mla = self.mla
-        for name in ("kv_lora_rank", "qk_rope_head_dim"):
-            value = getattr(mla, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "kv_lora_rank" else 0):
-                raise PlanError(f"mla.{name}={value!r}; allowed: a {'positive' if name == 'kv_lora_rank' else 'non-negative'} integer")
         if mla.qk_rope_head_dim % 2:
             raise PlanError(f"mla.qk_rope_head_dim={mla.qk_rope_head_dim}; allowed: an even number (RoPE rotates pairs)")
-        for name, allowed in (("rope_key", MLA_ROPE_KEYS), ("rope_criterion", MLA_ROPE_CRITERIA), ("init", MLA_INITS)):
-            if getattr(mla, name) not in allowed:
-                raise PlanError(f"mla.{name}={getattr(mla, name)!r}; allowed: {', '.join(allowed)}")
-        if not isinstance(mla.ridge, (int, float)) or mla.ridge <= 0:
-            raise PlanError(f"mla.ridge={mla.ridge!r}; allowed: a positive number")
-        if not isinstance(mla.refine_steps, int) or isinstance(mla.refine_steps, bool) or mla.refine_steps < 0:
-            raise PlanError(f"mla.refine_steps={mla.refine_steps!r}; allowed: an integer >= 0")
-        if not isinstance(mla.refine_lr, (int, float)) or isinstance(mla.refine_lr, bool) or mla.refine_lr <= 0:
-            raise PlanError(f"mla.refine_lr={mla.refine_lr!r}; allowed: a positive number")
         if mla.refine_steps and mla.init == "weight_svd":
             raise PlanError("mla.refine_steps needs init: activation_aware (weight_svd is the calibration-free baseline)")
         fit_windows = self.calibration.num_tokens // self.calibration.seq_len
@@ -258,15 +281,7 @@ class ConversionPlan:
 
     def _validate_distill(self) -> None:
         d = self.distill
-        for name, low in (("steps", 1), ("batch", 1), ("num_tokens", 1), ("holdout", 1), ("every", 1)):
-            value = getattr(d, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise PlanError(f"distill.{name}={value!r}; allowed: an integer >= {low}")
-        if not isinstance(d.lr, (int, float)) or isinstance(d.lr, bool) or d.lr <= 0:
-            raise PlanError(f"distill.lr={d.lr!r}; allowed: a positive number")
-        if d.trainable not in DISTILL_TRAINABLE:
-            raise PlanError(f"distill.trainable={d.trainable!r}; allowed: {', '.join(DISTILL_TRAINABLE)}")
-        if self.gqa is None and self.mla is None and self.csa2 is None and self.sinks is None:
+        if self.is_noop_surgery:
             raise PlanError("distill needs a surgery stage before it (gqa, mla, sinks or csa2): there is nothing to distill")
         windows = d.num_tokens // self.calibration.seq_len
         if windows <= d.holdout:
@@ -280,33 +295,13 @@ class ConversionPlan:
             raise PlanError("csa2 needs an mla section: full layers store MLA latent entries (kv_lora_rank, qk_rope_head_dim)")
         if self.mla.uneven_ranks:
             raise PlanError("csa2 with mla.uneven_ranks=true is not supported; allowed: uneven_ranks: false")
-        for name in ("window", "top_k"):
-            value = getattr(c, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"csa2.{name}={value!r}; allowed: an integer >= 1")
         if (c.layers is None) == (c.full_every is None):
             raise PlanError("csa2 needs exactly one of layers (a mode per layer) or full_every (an integer >= 1)")
-        if c.layers is not None:
-            bad = [m for m in c.layers if m not in CSA2_MODES]
-            if not isinstance(c.layers, list) or bad:
-                raise PlanError(f"csa2.layers has {bad or c.layers!r}; allowed modes: {', '.join(CSA2_MODES)}")
-        else:
-            if not isinstance(c.full_every, int) or isinstance(c.full_every, bool) or c.full_every < 1:
-                raise PlanError(f"csa2.full_every={c.full_every!r}; allowed: an integer >= 1")
-            if c.other_mode not in ("reuse", "reindex", "swa"):
-                raise PlanError(f"csa2.other_mode={c.other_mode!r}; allowed: reuse, reindex, swa")
         if self.calibration.seq_len <= c.window:
             raise PlanError(
                 f"calibration.seq_len={self.calibration.seq_len} must exceed csa2.window={c.window}: readers, entry "
                 f"biases and indexers are fitted on positions older than the window; allowed: seq_len > {c.window}"
             )
-        if not isinstance(c.sink_tokens, int) or isinstance(c.sink_tokens, bool) or c.sink_tokens < 0:
-            raise PlanError(f"csa2.sink_tokens={c.sink_tokens!r}; allowed: an integer >= 0")
-        steps = c.indexer_warmup_steps
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-            raise PlanError(f"csa2.indexer_warmup_steps={steps!r}; allowed: an integer >= 0")
-        if not isinstance(c.reader_ridge, (int, float)) or c.reader_ridge <= 0:
-            raise PlanError(f"csa2.reader_ridge={c.reader_ridge!r}; allowed: a positive number")
 
     def validate_for(self, config) -> None:
         """Checks against the source model's config (run before its weights are loaded)."""
@@ -355,27 +350,145 @@ class ConversionPlan:
             )
 
     @property
+    def is_noop_surgery(self) -> bool:
+        """No surgery section (gqa, mla, sinks, csa2): the plan would change nothing."""
+        return all(getattr(self, name) is None for name in SURGERY_SECTIONS)
+
+    @property
     def is_noop(self) -> bool:
-        return self.gqa is None and self.mla is None and self.sinks is None and self.csa2 is None and self.distill is None
+        return self.is_noop_surgery and self.distill is None
 
 
-def _reject_unknown(data: dict, cls, where: str) -> None:
-    allowed = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(data) - set(allowed))
-    if unknown:
-        raise PlanError(f"unknown key(s) {unknown} in {where}; allowed: {', '.join(allowed)}")
+_ADAPTER = TypeAdapter(ConversionPlan)
 
 
-def _build(cls, data: Any, where: str):
-    if not isinstance(data, dict):
-        raise PlanError(f"{where} must be a mapping, got {data!r}")
-    _reject_unknown(data, cls, where)
-    try:
-        return cls(**data)
-    except TypeError as err:  # a required field is missing
-        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
-        raise PlanError(f"{where} needs the field(s) {required}: {err}") from err
+# -- error messages ------------------------------------------------------------------------
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
 
 
-__all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "DistillPlan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan", "GQA_INITS", "MLA_INITS",
-           "SINK_INITS"]
+def _check_keys(data: Any, where: str) -> None:
+    """YAML allows non-string keys (``1: x``, ``null: y``); a plan's keys are field names."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise PlanError(f"{where} has the key {key!r}; allowed: field names (strings)")
+            _check_keys(value, f"{where}.{key}" if where != "plan" else key)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _check_keys(value, f"{where}[{i}]")
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _unwrap(annotation):
+    """The dataclass or base type behind Optional[...] / Annotated[...]."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin is Union:
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        else:
+            return annotation
+
+
+def _inner_metadata(annotation) -> list:
+    """Constraints of an Annotated type inside Optional[...] (pydantic keeps them there)."""
+    found = []
+    for arg in typing.get_args(annotation) if typing.get_origin(annotation) is Union else []:
+        if typing.get_origin(arg) is Annotated:
+            found += list(typing.get_args(arg)[1:])
+    return found
+
+
+def _field_info(loc: tuple):
+    """``(annotation, constraints)`` of the plan field at ``loc``, or None."""
+    cls, info = ConversionPlan, None
+    for part in loc:
+        if isinstance(part, int) or not dataclasses.is_dataclass(cls):
+            continue
+        info = cls.__pydantic_fields__.get(part)
+        if info is None:
+            return None
+        cls = _unwrap(info.annotation)
+    return info
+
+
+def _allowed(loc: tuple) -> str:
+    """Words for what the field at ``loc`` allows, from its annotation and bounds."""
+    info = _field_info(loc)
+    if info is None:
+        return ""
+    base = _unwrap(info.annotation)
+    bounds = {}
+    for meta in [*info.metadata, *_inner_metadata(info.annotation)]:
+        for item in getattr(meta, "metadata", [meta]):  # FieldInfo objects nest their constraints
+            for name in ("ge", "gt", "le"):
+                if isinstance(item, getattr(annotated_types, name.capitalize())):
+                    bounds[name] = getattr(item, name)
+    if typing.get_origin(base) is list:
+        base = typing.get_args(base)[0]
+        prefix = "a list of "
+    else:
+        prefix = ""
+    if typing.get_origin(base) is Literal:
+        return prefix + ", ".join(str(v) for v in typing.get_args(base))
+    if base is bool:
+        return "true or false (a YAML boolean, unquoted)"
+    if base is str:
+        return "a non-empty string"
+    if dataclasses.is_dataclass(base):
+        return f"a mapping with the fields {', '.join(_field_names(base))}"
+    kind = "an integer" if base is int else "a finite number"
+    low = f" >= {bounds['ge']}" if "ge" in bounds else (f" > {bounds['gt']}" if "gt" in bounds else "")
+    high = f" and <= {_number_text(bounds['le'])}" if "le" in bounds else ""
+    return kind + low + high
+
+
+def _number_text(value) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
+def _yaml_hint(value) -> str:
+    """PyYAML (YAML 1.1) reads ``1e-4`` and ``1e11`` as text: say how to write the number."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return ""
+        return f" (YAML reads {value} as text; write it with a dot, e.g. {number:.1e})"
+    return ""
+
+
+def _describe(err: ValidationError) -> str:
+    """One line for all of a ValidationError's problems."""
+    parts = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        where = _path(loc) or "plan"
+        if e["type"] == "value_error":  # our own checks across fields already name them
+            parts.append(str(e["msg"]).removeprefix("Value error, "))
+        elif e["type"] == "unexpected_keyword_argument":
+            parent = _field_info(loc[:-1])
+            section = ConversionPlan if parent is None else _unwrap(parent.annotation)
+            names = _field_names(section) if dataclasses.is_dataclass(section) else []
+            parts.append(f"unknown key {loc[-1]!r} in {_path(loc[:-1]) or 'plan'}; allowed: {', '.join(names)}")
+        elif e["type"] == "missing":
+            parts.append(f"{_path(loc[:-1]) or 'plan'} needs the field {loc[-1]!r} ({_allowed(loc)})")
+        else:
+            value = e.get("input")
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            problem = "not a mapping" if e["type"] == "dataclass_type" else e["msg"][:1].lower() + e["msg"][1:]
+            parts.append(f"{where}={shown}: {problem}; allowed: {_allowed(loc)}{_yaml_hint(value)}")
+    return "; ".join(parts)
+
+
+__all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "DistillPlan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan",
+           "GQA_INITS", "MLA_INITS", "SINK_INITS", "SURGERY_SECTIONS"]

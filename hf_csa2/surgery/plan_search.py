@@ -38,6 +38,7 @@ from ..model.csa2_attention import Csa2WindowAttention
 from .calibration import decoder_layers
 from .csa2 import Csa2FitOptions, apply_csa2, as_dense_csa2, csa2_layer_specs, default_sources, fit_csa2_layer
 from .layerwise import calibrate_layerwise, source_attention_outputs
+from ..errors import InputError
 
 SEARCH_OTHER_MODES = ("reuse", "reindex", "swa")
 
@@ -74,7 +75,7 @@ class PlanSearchResult:
         """The best-scoring plan on the path that fits the budget (ties: the cheaper one)."""
         fitting = [p for p in self.path if p.kv_elements_per_token <= self.budget]
         if not fitting:
-            raise ValueError(f"no plan on the path fits the budget of {self.budget:.1f} KV elements/token")
+            raise InputError(f"no plan on the path fits the budget of {self.budget:.1f} KV elements/token")
         return min(fitting, key=lambda p: (p.calib_ppl, p.kv_elements_per_token))
 
     def as_dict(self) -> dict:
@@ -88,10 +89,10 @@ def parse_kv_budget(text: str | float, source_kv: float) -> float:
     try:
         value = float(Fraction(str(text).strip()))
     except (ValueError, ZeroDivisionError):
-        raise ValueError(f"--kv-budget {text!r}; allowed: elements per token (e.g. 960) or a fraction of the "
+        raise InputError(f"--kv-budget {text!r}; allowed: elements per token (e.g. 960) or a fraction of the "
                          f"source's {source_kv:.0f} (e.g. 1/12 or 0.083)") from None
     if value <= 0:
-        raise ValueError(f"--kv-budget {text!r}; allowed: a positive number")
+        raise InputError(f"--kv-budget {text!r}; allowed: a positive number")
     return value * source_kv if value < 1 else value
 
 
@@ -294,7 +295,7 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict
                                  sink_tokens=csa2_kwargs.get("sink_tokens", 0))
     floor = config_kv_elements_at_context(Csa2Config.from_base_config(base, swa_specs), context) / context
     if kv_budget < floor:
-        raise ValueError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan (every layer swa with "
+        raise InputError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan (every layer swa with "
                          f"window {csa2_kwargs['window']}: {floor:.1f} at a {context}-token context)")
     source_ppl = mean_nll(model, score)["ppl"]
     bank = PlanBank(model, fit, score, csa2_kwargs, other_mode, log, part_windows)

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache import cache_dir
+from ..errors import UserError
+from ..io.trust import changed_model_code, foreign_code
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class SourceError(ValueError):
+class SourceError(UserError, ValueError):
     """The source cannot be found, fetched or used; the message names the problem and the
     allowed values."""
 
@@ -334,6 +336,25 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, Path]:
 # --------------------------------------------------------------------------- loading
 
 
+def peek_config(kind: str, path: Path, *, trust_remote_code: bool = False):
+    """The source's config without loading its weights (a GGUF's header, a folder's config.json)."""
+    from transformers import AutoConfig
+
+    if path.is_file():  # aliases, .gguf files and GGUF-only Hub snapshots
+        try:
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
+        except Exception as err:  # a truncated or foreign file fails anywhere in the GGUF reader
+            raise SourceError(f"cannot read GGUF {str(path)!r}: {_one_line(err)}; allowed: a complete .gguf "
+                              "file of a supported architecture") from err
+    _config_model_type(path)  # a clear error for a config.json that is not JSON
+    check_folder_code(path, trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:
+        raise SourceError(f"cannot read the config of {str(path)!r}: {_one_line(err)}") from err
+
+
+
 def _config_model_type(folder: Path) -> str:
     # Raw JSON rather than AutoConfig: it cannot execute remote code, and it works for
     # model types this transformers does not know (which we then reject by name).
@@ -370,7 +391,7 @@ def _load_tokenizer(*args, where: str, **kwargs):
     try:
         tok = AutoTokenizer.from_pretrained(*args, **kwargs)
     except Exception as err:
-        raise SourceError(f"cannot load a tokenizer from {where}: {err}") from err
+        raise SourceError(f"cannot load a tokenizer from {where}: {_one_line(err)}") from err
     if tok.pad_token is None:
         # Batched evaluation needs a pad token; causal LMs often ship none. Padding is
         # masked out by the attention mask, so reusing EOS changes no result.
@@ -410,6 +431,21 @@ def _is_quantized(model) -> bool:
     return quantizer is not None or getattr(model.config, "quantization_config", None) is not None
 
 
+def _check_complete(info: dict, where: str) -> None:
+    """Refuse a checkpoint whose weights do not cover its model: transformers would fill the
+    gaps with random values and the model would load and run, silently wrong."""
+    problems = []
+    for key, label in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"), ("mismatched_keys", "wrong shape")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in (info.get(key) or []))
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            problems.append(f"{label} weights: {shown}")
+    problems += [str(m) for m in info.get("error_msgs") or []]
+    if problems:
+        raise SourceError(f"{where} is incomplete or does not match its config ({'; '.join(problems)}); refusing to "
+                          "load it, since the missing weights would be random. Re-save or re-convert the checkpoint")
+
+
 def _load_gguf(path: Path, dtype: torch.dtype, check_supported: bool):
     from transformers import AutoModelForCausalLM, GgufConfig
 
@@ -418,11 +454,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, check_supported: bool):
         # save_pretrained refuses it) and, for some architectures when the `kernels` package is
         # installed, keeps weights packed in GGUF blocks. Asked explicitly, it unpacks every
         # weight and drops the quantization config, giving a plain model.
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True),
+            output_loading_info=True, trust_remote_code=False,
         )
     except Exception as err:
-        raise SourceError(f"cannot load GGUF {str(path)!r}: {err}") from err
+        raise SourceError(f"cannot load GGUF {str(path)!r}: {_one_line(err)}") from err
+    _check_complete(info, f"GGUF {str(path)!r}")
     model_type = model.config.model_type
     if check_supported and model_type not in SUPPORTED_MODEL_TYPES:
         raise SourceError(
@@ -431,24 +469,48 @@ def _load_gguf(path: Path, dtype: torch.dtype, check_supported: bool):
         )
     if _is_quantized(model):  # should not happen with dequantize=True; rebuild rather than fail later
         model = _plain_copy(model, dtype)
-    tokenizer = _load_tokenizer(str(path.parent), gguf_file=path.name, where=repr(str(path)))
+    tokenizer = _load_tokenizer(str(path.parent), gguf_file=path.name, where=repr(str(path)), trust_remote_code=False)
     return model, tokenizer
 
 
-def _load_dir(folder: Path, dtype: torch.dtype, check_supported: bool):
+def _one_line(err: Exception, limit: int = 400) -> str:
+    """The error's message on one line (capped): transformers' messages span several lines."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_folder_code(folder: Path, trust_remote_code: bool) -> None:
+    """Refuse a folder that asks to run code other than hf-csa2's registered classes (see
+    :mod:`hf_csa2.io.trust`), unless the user trusts it explicitly."""
+    foreign = foreign_code(folder)
+    if foreign and not trust_remote_code:
+        raise SourceError(
+            f"folder {str(folder)!r} asks to run its own Python code ({'; '.join(foreign)}); hf-csa2 runs no code "
+            "from a folder unasked. Pass --trust-remote-code (trust_remote_code=True) only if you trust that code"
+        )
+    changed = changed_model_code(folder)
+    if changed:
+        logger.warning("%s: its copy of %s differs from the installed hf-csa2 (another version wrote it, or it was "
+                       "edited); it is not run: the installed hf-csa2 classes load it", folder, ", ".join(changed))
+
+
+def _load_dir(folder: Path, dtype: torch.dtype, check_supported: bool, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
     model_type = _config_model_type(folder)
     if check_supported:
         _check_model_type(model_type, repr(str(folder)))  # before any weights are read
-    # A converted checkpoint carries its own modeling code (auto_map). Importing hf_csa2
-    # already registered those classes, which transformers prefers over the copied code.
-    remote = {"trust_remote_code": True} if model_type == CONVERTED_MODEL_TYPE else {}
+    check_folder_code(folder, trust_remote_code)
+    # A converted checkpoint loads through the classes `import hf_csa2` registered; the code
+    # copied next to its weights is for machines without hf_csa2. trust_remote_code is passed
+    # explicitly so transformers never stops to ask on stdin.
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **remote)
+        model, info = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, output_loading_info=True,
+                                                           trust_remote_code=trust_remote_code)
     except Exception as err:
-        raise SourceError(f"cannot load model from {str(folder)!r}: {err}") from err
-    tokenizer = _load_tokenizer(str(folder), where=repr(str(folder)), **remote)
+        raise SourceError(f"cannot load model from {str(folder)!r}: {_one_line(err)}") from err
+    _check_complete(info, f"checkpoint {str(folder)!r}")
+    tokenizer = _load_tokenizer(str(folder), where=repr(str(folder)), trust_remote_code=trust_remote_code)
     return model, tokenizer
 
 
@@ -457,18 +519,21 @@ def load_source(
     *,
     dtype: torch.dtype = torch.float32,
     check_supported: bool = True,
+    trust_remote_code: bool = False,
 ) -> LoadedSource:
     """Resolve and load ``source`` as a plain float model (eval mode, CPU, ``dtype``) plus tokenizer.
 
     With ``check_supported`` the architecture must be one of :data:`SUPPORTED_MODEL_TYPES`
-    (or an hf-csa2 checkpoint); for folders this is checked before weights are loaded.
+    (or an hf-csa2 checkpoint); for folders this is checked before weights are loaded. A
+    folder asking to run code of its own is refused unless ``trust_remote_code``; a checkpoint
+    with missing, unexpected or mis-shaped weights is refused.
     """
     name = os.fspath(source)
     kind, path = resolve_source(source)
     if path.is_file():
         model, tokenizer = _load_gguf(path, dtype, check_supported)
     else:
-        model, tokenizer = _load_dir(path, dtype, check_supported)
+        model, tokenizer = _load_dir(path, dtype, check_supported, trust_remote_code)
     model = model.to("cpu").eval()
     model.config._name_or_path = name  # so reports can say where the model came from
     return LoadedSource(model=model, tokenizer=tokenizer, name=name, kind=kind, path=path)
@@ -483,6 +548,7 @@ __all__ = [
     "cache_dir",
     "is_converted",
     "load_source",
+    "peek_config",
     "resolve_alias",
     "resolve_source",
 ]

@@ -91,7 +91,7 @@ def test_read_paths_give_the_same_logits_for_every_mode(arch):
         model.config.csa2_read_path = "scores"
         scored = model(x).logits
         decoded, _ = incremental_logits(model, x, [5, 1, 6, 5])
-    assert (gathered - scored).abs().max() <= 1e-5
+    assert (gathered - scored).abs().max() <= 1e-5 * (1 + gathered.abs().max())  # fp32 rounding scales with the logits
     assert (decoded - gathered).abs().max() <= 1e-4
 
 

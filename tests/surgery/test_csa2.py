@@ -146,7 +146,7 @@ def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch, capsys, monkeypatch):
     "csa2, message",
     [
         ({"full_every": 2, "layers": ["full"]}, "exactly one of layers"),
-        ({"layers": ["full", "copy"]}, "allowed modes"),
+        ({"layers": ["full", "copy"]}, r"csa2.layers\[1\]='copy'.*allowed: a list of swa, full, reindex, reuse"),
         ({"full_every": 0}, "full_every=0"),
         ({"full_every": 2, "other_mode": "full"}, "other_mode"),
         ({"full_every": 2, "window": 0}, "csa2.window=0"),

@@ -92,6 +92,7 @@ def test_overwrite_replaces_output_and_leaves_source_untouched(tmp_path, text_fi
     save_tiny_source("llama", tmp_path / "src")
     out = tmp_path / "out"
     out.mkdir()
+    (out / "conversion_report.json").write_text("{}")  # an earlier hf-csa2 output: ours to replace
     (out / "old.txt").write_text("old")
     before_src = tree_digest(tmp_path / "src")
     convert(str(tmp_path / "src"), plan_with(text_file, gqa={"num_key_value_heads": 1}), out_dir=out, overwrite=True, log=lambda m: None)
@@ -140,7 +141,7 @@ def test_cli_errors_are_one_clear_line(tmp_path, text_file):
         (["convert", "smollm9-1t", "--sinks", "--out", str(tmp_path / "o")], "smollm2-135m"),
         (["convert", str(tmp_path / "src"), "--to", "gqa", "--kv-heads", "3", "--calib-text", str(text_file), "--out", str(tmp_path / "o")], "allowed: [1, 2, 4]"),
         (["convert", str(tmp_path / "src"), "--to", "gqa", "--out", str(tmp_path / "o")], "--kv-heads"),
-        (["convert", str(tmp_path / "src"), "--sinks", "--out", str(tmp_path / "src")], "--overwrite"),
+        (["convert", str(tmp_path / "src"), "--sinks", "--out", str(tmp_path / "src")], "is the source"),
         (["convert", str(tmp_path / "src"), "--plan", str(tmp_path / "none.yaml"), "--out", str(tmp_path / "o")], "does not exist"),
     ]
     for args, needle in cases:
@@ -247,9 +248,9 @@ def test_distill_command_continues_a_converted_checkpoint(tmp_path, text_file):
     assert "distill" in (out / "hf_csa2_plan.yaml").read_text()
     # bad input is refused before loading anything, with the allowed values
     proc = run_cli("distill", str(tmp_path / "src"), str(conv), "--steps", "0", "--out", str(tmp_path / "x"))
-    assert proc.returncode == 2 and "distill.steps=0" in proc.stderr and "integer >= 1" in proc.stderr
+    assert proc.returncode == 2 and "--steps: 0; allowed: an integer >= 1" in proc.stderr
     proc = run_cli("distill", str(tmp_path / "src"), str(conv), "--out", str(conv), "--overwrite")
-    assert proc.returncode == 2 and "is the converted folder itself" in proc.stderr
+    assert proc.returncode == 2 and "is the converted checkpoint" in proc.stderr
     proc = run_cli("distill", str(tmp_path / "src"), str(tmp_path / "src"), "--out", str(tmp_path / "y"))
     assert proc.returncode == 2 and "hf_csa2_plan.yaml" in proc.stderr
     assert tree_digest(conv) == before

@@ -17,7 +17,7 @@ def test_yaml_round_trip(tmp_path):
 @pytest.mark.parametrize(
     "data, words",
     [
-        ({"gqa": {"num_key_value_heads": 0}}, ["gqa.num_key_value_heads", "positive integer"]),
+        ({"gqa": {"num_key_value_heads": 0}}, ["gqa.num_key_value_heads=0", "allowed: an integer >= 1"]),
         ({"gqa": {"num_key_value_heads": 1, "init": "svd"}}, ["gqa.init", "calibrated", "mean"]),
         ({"gqa": {}}, ["gqa", "num_key_value_heads"]),
         ({"sinks": {"init": "zero"}}, ["sinks.init", "calibrated", "off"]),
@@ -28,7 +28,7 @@ def test_yaml_round_trip(tmp_path):
         ({"calibration": {"num_tokens": 10, "seq_len": 512}}, ["num_tokens", "seq_len"]),
         ({"distill": {"steps": 10}}, ["distill needs a surgery stage", "gqa, mla, sinks or csa2"]),
         ({"sinks": True, "distill": {"steps": 0}}, ["distill.steps=0", "integer >= 1"]),
-        ({"sinks": True, "distill": {"lr": -1}}, ["distill.lr=-1", "positive number"]),
+        ({"sinks": True, "distill": {"lr": -1}}, ["distill.lr=-1", "allowed: a finite number > 0"]),
         ({"sinks": True, "distill": {"trainable": "mlp"}}, ["distill.trainable='mlp'", "attention, all"]),
         ({"sinks": True, "distill": {"num_tokens": 2048, "holdout": 4}},
          ["distill.num_tokens=2048 gives 4 windows", "holdout=4", "num_tokens >= 2560"]),

@@ -1,0 +1,21 @@
+"""The one base class of every error caused by what a user asked for.
+
+The CLI prints a :class:`UserError` as one line and exits 2; any other exception is a bug
+in hf-csa2 and keeps its traceback (exit 1). Each layer defines its own subclass next to the
+code that raises it (``PlanError``, ``SourceError``, ``CorpusError``, ``OutputError``, ...),
+so a library user can catch one kind or all of them.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Bad input: the message names the problem and what is allowed."""
+
+
+class InputError(UserError, ValueError):
+    """A bad argument or input file that belongs to no more specific kind (e.g. models
+    with different tokenizers passed to one perplexity comparison)."""
+
+
+__all__ = ["InputError", "UserError"]
