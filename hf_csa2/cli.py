@@ -101,7 +101,7 @@ def _convert(args) -> int:
     data["calibration"] = calibration
     plan = ConversionPlan.from_dict(data)
     result = convert(args.source, plan, out_dir=args.out, overwrite=args.overwrite, log=_log, plan_path=args.plan,
-                     trust_remote_code=args.trust_remote_code)
+                     trust_remote_code=args.trust_remote_code, revision=args.revision, offline=args.offline or None)
     print(format_report_table(result.report))
     return 0
 
@@ -409,8 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("convert", help="convert a checkpoint following a plan")
-    p.add_argument("source", help="Hub model ID (local cache), local folder, .gguf file, or alias (smollm2-135m, gemma3-270m)")
+    p.add_argument("source", help="Hub model ID, local folder, .gguf file, or alias (smollm2-135m, gemma3-270m)")
     p.add_argument("--plan", help="plan YAML (see conversion/)")
+    p.add_argument("--revision", help="with a Hub model ID: branch, tag or commit to download")
+    p.add_argument("--offline", action="store_true",
+                   help="use the local Hugging Face cache only (as HF_HUB_OFFLINE=1 does); a Hub model ID is "
+                        "otherwise downloaded like from_pretrained does: configs, safetensors, tokenizer")
     p.add_argument("--to", choices=["gqa"], help="shortcut: the surgery target")
     p.add_argument("--kv-heads", type=_positive_int, help="with --to gqa: KV heads per layer (1 = MQA); must divide the query heads")
     p.add_argument("--init", choices=GQA_INITS, default="calibrated", help="with --to gqa: how merged KV heads are initialised")

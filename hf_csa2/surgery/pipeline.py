@@ -257,10 +257,11 @@ class PreparedSource:
 
 
 def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None] = print, *,
-                   trust_remote_code: bool = False) -> PreparedSource:
+                   trust_remote_code: bool = False, revision: str | None = None,
+                   offline: bool | None = None) -> PreparedSource:
     """Check ``plan`` against the source's config (before loading weights), load the source
-    and cut the calibration windows (``fit`` / ``score``)."""
-    kind, path = resolve_source(source)
+    and cut the calibration windows (``fit`` / ``score``). ``revision``/``offline``: for Hub IDs."""
+    kind, path = resolve_source(source, revision=revision, offline=offline)
     config = peek_config(kind, path, trust_remote_code=trust_remote_code)
     if config.model_type not in SUPPORTED_BASE_MODEL_TYPES:
         raise SourceError(
@@ -269,7 +270,8 @@ def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None]
     plan.validate_for(config)
     text_path = resolve_text(plan.calibration.text)
     t0 = time.perf_counter()
-    loaded = load_source(source, dtype=getattr(torch, plan.dtype), trust_remote_code=trust_remote_code)
+    loaded = load_source(source, dtype=getattr(torch, plan.dtype), trust_remote_code=trust_remote_code,
+                         revision=revision, offline=offline)
     model = loaded.model.eval()
     model.config._attn_implementation = model.config._attn_implementation or "sdpa"
     cal = plan.calibration
@@ -298,23 +300,27 @@ def convert(
     log: Callable[[str], None] = print,
     plan_path: str | os.PathLike | None = None,
     trust_remote_code: bool = False,
+    revision: str | None = None,
+    offline: bool | None = None,
 ) -> ConversionResult:
     """Convert ``source`` following ``plan``; save to ``out_dir`` when given.
 
     All input checks (plan fields, source existence and architecture, KV heads dividing the
     query heads, output folder: never an input, its parent or inside one) run before any
     weights are loaded. ``plan_path``: the file the plan came from, when it was passed as an
-    object (protected like the other inputs).
+    object (protected like the other inputs). A Hub ID is downloaded at ``revision`` (configs,
+    safetensors, tokenizer) unless ``offline`` (or ``HF_HUB_OFFLINE=1``): then the cache only.
     """
     if isinstance(plan, (str, os.PathLike)) and plan_path is None:
         plan_path = plan
     plan = as_plan(plan)
-    kind, source_path = resolve_source(source)
+    kind, source_path = resolve_source(source, revision=revision, offline=offline)
     inputs = conversion_inputs(source_path, plan, plan_path)
     if out_dir is not None:
         check_output_dir(out_dir, overwrite=overwrite, inputs=inputs)
     t0 = time.perf_counter()
-    prepared = prepare_source(source, plan, log, trust_remote_code=trust_remote_code)
+    prepared = prepare_source(source, plan, log, trust_remote_code=trust_remote_code, revision=revision,
+                              offline=offline)
     loaded, model, calib, kind, config = (prepared.loaded, prepared.model, prepared.calib, prepared.kind,
                                           prepared.config)
     report = [_stage_report("source", model, calib, t0, {"kind": kind, "model_type": config.model_type}, plan.context)]

@@ -7,7 +7,8 @@ A *source* is one of (tried in this order):
   and verified against a pinned sha256 -- the only weights reachable without the Hub;
 * a ``.gguf`` file (or a folder holding exactly one ``.gguf`` and no ``config.json``);
 * a local folder with ``config.json`` and weights (``*.safetensors`` / ``pytorch_model*.bin``);
-* a Hub model ID ``org/name`` -- resolved from the local Hugging Face cache only.
+* a Hub model ID ``org/name`` -- downloaded like ``from_pretrained`` does (only configs,
+  safetensors and tokenizer files), or taken from the local cache under ``HF_HUB_OFFLINE=1``.
 
 GGUF weights are dequantised by transformers (``GgufConfig(dequantize=True)``), which gives an
 ordinary float model. Should a ``quantization_config`` survive anyway (transformers' default
@@ -32,6 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import errors as hf_errors
+from huggingface_hub import snapshot_download
 
 from ..cache import cache_dir
 from ..errors import UserError
@@ -220,7 +224,7 @@ def _unknown_alias(name: str) -> SourceError:
     known = ", ".join(f"{a.name!r} ({a.description})" for a in ALIASES.values())
     return SourceError(
         f"unknown model alias {name!r}; known aliases: {known}. Other accepted sources: a local "
-        "folder with config.json + weights, a .gguf file, or a cached Hub ID 'org/name'."
+        "folder with config.json + weights, a .gguf file, or a Hub model ID 'org/name'."
     )
 
 
@@ -289,32 +293,65 @@ def _resolve_dir(folder: Path, kind: str) -> tuple[str, Path]:
             )
         raise SourceError(f"folder {str(folder)!r} has no config.json (and no .gguf file); {_accepted_forms()}")
     if not any(any(folder.glob(g)) for g in _WEIGHT_GLOBS):
+        if kind == "hub":
+            raise SourceError(f"Hub snapshot {str(folder)!r} has config.json but no *.safetensors weights (pickled "
+                              "pytorch_model*.bin weights are not downloaded); convert from a safetensors repository")
         raise SourceError(
             f"folder {str(folder)!r} has config.json but no weights (*.safetensors or pytorch_model*.bin)"
         )
     return kind, folder
 
 
-def _resolve_hub(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
+#: What a conversion needs from a Hub repository: configs, safetensors weights, tokenizer files.
+#: No pickled weights, no Python files, no other formats.
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
+
+def hub_offline(offline: bool | None = None) -> bool:
+    """``offline`` when given, else the standard ``HF_HUB_OFFLINE`` setting (read now)."""
+    if offline is not None:
+        return offline
+    env = os.environ.get("HF_HUB_OFFLINE")
+    return env.strip().upper() in {"1", "ON", "YES", "TRUE"} if env is not None else hf_constants.HF_HUB_OFFLINE
+
+
+def _resolve_hub(repo_id: str, revision: str | None = None, offline: bool | None = None) -> Path:
+    """The local snapshot of a Hub repository, downloaded the way ``from_pretrained`` does
+    (standard login token, cache, ``revision``) unless offline, where only the cache is used."""
+    offline = hub_offline(offline)
+    at = f" at revision {revision!r}" if revision else ""
     try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception as err:  # LocalEntryNotFoundError, HFValidationError, ...
-        raise SourceError(
-            f"Hub model {repo_id!r} is not in the local Hugging Face cache, and the Hub cannot be "
-            f"reached (no network; nothing is downloaded from the Hub). No local folder of that name "
-            f"exists either. {_accepted_forms()}."
-        ) from err
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=offline))
+    except hf_errors.GatedRepoError as err:
+        raise SourceError(f"Hub model {repo_id!r} is gated: accept its conditions on https://huggingface.co/{repo_id} "
+                          "and log in (`hf auth login` or HF_TOKEN)") from err
+    except hf_errors.RepositoryNotFoundError as err:
+        raise SourceError(f"Hub model {repo_id!r} was not found (a private repository needs a login: `hf auth login` "
+                          f"or HF_TOKEN), and no local folder of that name exists; {_accepted_forms()}") from err
+    except hf_errors.RevisionNotFoundError as err:
+        raise SourceError(f"Hub model {repo_id!r} has no revision {revision!r}") from err
+    except hf_errors.LocalEntryNotFoundError as err:
+        if offline:
+            raise SourceError(f"Hub model {repo_id!r}{at} is not in the local Hugging Face cache and downloads are off "
+                              "(HF_HUB_OFFLINE=1 or --offline); download it once with network, or pass a local folder; "
+                              f"{_accepted_forms()}") from err
+        raise SourceError(f"cannot download Hub model {repo_id!r}{at}: the Hub cannot be reached and it is not in the "
+                          f"local cache ({_one_line(err)})") from err
+    except hf_errors.HFValidationError as err:
+        raise SourceError(f"{repo_id!r} is not a valid Hub model ID ({_one_line(err)}); {_accepted_forms()}") from err
+    except (hf_errors.HfHubHTTPError, OSError) as err:
+        raise SourceError(f"downloading Hub model {repo_id!r}{at} failed: {_one_line(err)}") from err
 
 
-def resolve_source(source: str | os.PathLike) -> tuple[str, Path]:
+def resolve_source(source: str | os.PathLike, *, revision: str | None = None,
+                   offline: bool | None = None) -> tuple[str, Path]:
     """Find ``source`` without loading weights; return ``(kind, path)``.
 
     ``kind`` is ``"alias"`` (path: the verified .gguf), ``"gguf"`` (a .gguf file, or a folder
-    holding just one), ``"dir"`` (a folder with config.json + weights) or ``"hub"`` (the cached
-    snapshot folder of ``org/name``; a snapshot with only a GGUF gives ``"hub"`` and the file).
-    Raises :class:`SourceError` for anything missing, incomplete or unknown.
+    holding just one), ``"dir"`` (a folder with config.json + weights) or ``"hub"`` (the
+    snapshot folder of ``org/name``: downloaded at ``revision`` when online, the local cache
+    only when ``offline`` or ``HF_HUB_OFFLINE=1``). Raises :class:`SourceError` for anything
+    missing, incomplete or unknown.
     """
     s = os.fspath(source).strip()
     if s in ALIASES:
@@ -327,7 +364,7 @@ def resolve_source(source: str | os.PathLike) -> tuple[str, Path]:
     if p.is_dir():
         return _resolve_dir(p.resolve(), "dir")
     if _HUB_ID.fullmatch(s) and not _looks_like_path(s):
-        return _resolve_dir(_resolve_hub(s), "hub")
+        return _resolve_dir(_resolve_hub(s, revision, offline), "hub")
     if _looks_like_path(s):
         raise SourceError(f"missing file/folder: {s!r} does not exist; {_accepted_forms()}")
     raise _unknown_alias(s)
@@ -520,6 +557,8 @@ def load_source(
     dtype: torch.dtype = torch.float32,
     check_supported: bool = True,
     trust_remote_code: bool = False,
+    revision: str | None = None,
+    offline: bool | None = None,
 ) -> LoadedSource:
     """Resolve and load ``source`` as a plain float model (eval mode, CPU, ``dtype``) plus tokenizer.
 
@@ -529,7 +568,7 @@ def load_source(
     with missing, unexpected or mis-shaped weights is refused.
     """
     name = os.fspath(source)
-    kind, path = resolve_source(source)
+    kind, path = resolve_source(source, revision=revision, offline=offline)
     if path.is_file():
         model, tokenizer = _load_gguf(path, dtype, check_supported)
     else:
