@@ -18,12 +18,7 @@ Csa2Config.register_for_auto_class()
 Csa2ForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
 
-def convert(source, plan=None, **kwargs):
-    """Convert ``source`` (Hub ID, folder, .gguf or alias) following ``plan``; see
-    :func:`hf_csa2.surgery.pipeline.convert`."""
-    from .surgery.pipeline import convert as _convert
-
-    return _convert(source, plan, **kwargs)
+from .surgery.pipeline import convert  # noqa: E402  (after the registration above)
 
 
 __all__ = ["Csa2Config", "Csa2ForCausalLM", "convert", "__version__"]

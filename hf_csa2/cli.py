@@ -15,18 +15,64 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
 import sys
 from pathlib import Path
 
-from .data.corpus import resolve_text
+import yaml
+
+from .data.corpus import read_text, resolve_text
 from .errors import InputError, UserError
-from .evals.kv_cache import config_kv_elements_at_context
-from .io.output import check_output_dir, check_output_file, check_results_dir
+from .evals.bench import bench, format_bench_table
+from .evals.lm_eval_glue import (
+    check_tasks,
+    run_lm_eval,
+    summarise,
+    task_manager,
+    write_results,
+)
+from .evals.needle import CATEGORIES, generate_samples, write_jsonl
+from .evals.needle_eval import (
+    OutputJournal,
+    generate_answers,
+    score_records,
+    write_reports,
+)
+from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
+from .evals.report import ReportSettings, write_report
+from .export.deepseek_v3 import export_checkpoint
+from .io.output import check_output_file, check_results_dir
+from .io.sources import load_source, peek_config, resolve_source
+from .metrics.kv_cache import (
+    QK_NORM_MODEL_TYPES,
+    config_kv_elements_at_context,
+    config_kv_elements_per_token,
+    layer_attention_specs,
+    layer_kv_elements_per_token,
+    measure_kv_elements_at_context,
+    measure_kv_elements_per_token,
+    measurement_length,
+)
+from .model.configuration_hf_csa2 import attention_head_dim
+from .surgery.pipeline import (
+    conversion_inputs,
+    convert,
+    csa2_arguments,
+    distill_checkpoint,
+    format_report_table,
+    prepare_source,
+    run_stages,
+)
 from .surgery.plan import DISTILL_TRAINABLE, GQA_INITS, ConversionPlan, PlanError
-from .surgery.sources import is_converted, load_source, peek_config, resolve_source
+from .surgery.plan_search import (
+    SEARCH_OTHER_MODES,
+    format_curve,
+    parse_kv_budget,
+    search_plan,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -78,8 +124,6 @@ def _load(name: str, args):
 
 
 def _convert(args) -> int:
-    from .surgery.pipeline import convert, format_report_table
-
     if args.plan and (args.to or args.kv_heads is not None):
         raise PlanError("give either --plan or --to/--kv-heads, not both")
     if args.plan:
@@ -107,8 +151,6 @@ def _convert(args) -> int:
 
 
 def _distill(args) -> int:
-    from .surgery.pipeline import distill_checkpoint, format_report_table
-
     fields = ("steps", "lr", "batch", "num_tokens", "holdout", "every", "trainable")
     overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
     result = distill_checkpoint(args.source, args.converted, out_dir=args.out, overrides=overrides,
@@ -118,8 +160,6 @@ def _distill(args) -> int:
 
 
 def _eval_ppl(args) -> int:
-    from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
-
     inputs = _models(args.models) + [("text", resolve_text(args.text))]
     if args.json:
         check_output_file(args.json, inputs=inputs)
@@ -132,12 +172,6 @@ def _eval_ppl(args) -> int:
 
 
 def _eval_needle(args) -> int:
-    import gc
-
-    from .data.corpus import read_text
-    from .evals.needle import CATEGORIES, generate_samples, write_jsonl
-    from .evals.needle_eval import OutputJournal, generate_answers, score_records, write_reports
-
     categories = args.categories.split(",") if args.categories else list(CATEGORIES)
     bad = [c for c in categories if c not in CATEGORIES]
     if bad:
@@ -180,8 +214,6 @@ def _eval_needle(args) -> int:
 
 
 def _eval_lm(args) -> int:
-    from .evals.lm_eval_glue import check_tasks, run_lm_eval, summarise, task_manager, write_results
-
     try:
         metadata = json.loads(args.metadata) if args.metadata else None
     except json.JSONDecodeError as err:
@@ -214,8 +246,6 @@ def _has_csa2_layers(config) -> bool:
 
 
 def _eval_report(args) -> int:
-    from .evals.report import ReportSettings, write_report
-
     settings = ReportSettings(
         text=args.text, window=args.window, max_windows=args.max_windows,
         needle_lengths=_int_list(args.needle_lengths, "--needle-lengths"),
@@ -232,8 +262,6 @@ def _eval_report(args) -> int:
 
 
 def _bench(args) -> int:
-    from .evals.bench import bench, format_bench_table
-
     lengths = _int_list(args.lengths, "--lengths")
     inputs = _models(args.models)
     if args.json:
@@ -267,18 +295,6 @@ def _float_list(text: str, flag: str) -> list[float]:
 
 
 def _inspect(args) -> int:
-    from .evals.kv_cache import (
-        QK_NORM_MODEL_TYPES,
-        config_kv_elements_at_context,
-        config_kv_elements_per_token,
-        layer_attention_specs,
-        layer_kv_elements_per_token,
-        measure_kv_elements_at_context,
-        measure_kv_elements_per_token,
-        measurement_length,
-    )
-    from .model.configuration_hf_csa2 import attention_head_dim
-
     loaded = _load(args.model, args)
     cfg = loaded.model.config
     layers = layer_attention_specs(cfg)
@@ -326,8 +342,6 @@ def _inspect(args) -> int:
 
 
 def _export(args) -> int:
-    from .export.deepseek_v3 import export_checkpoint
-
     out = export_checkpoint(args.model, args.out, args.format, overwrite=args.overwrite,
                             trust_remote_code=args.trust_remote_code)
     _log(f"saved {out} ({args.format}; loads with AutoModelForCausalLM, no remote code)")
@@ -335,11 +349,6 @@ def _export(args) -> int:
 
 
 def _plan(args) -> int:
-    import yaml
-
-    from .surgery.pipeline import conversion_inputs, csa2_arguments, prepare_source, run_stages
-    from .surgery.plan_search import SEARCH_OTHER_MODES, format_curve, parse_kv_budget, search_plan
-
     base = ConversionPlan.from_yaml(args.plan)
     if base.csa2 is None:
         raise PlanError(f"--plan {args.plan!r} has no csa2 section; the search keeps its window, top_k, reader and "

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_csa2.data.corpus import resolve_text
-from hf_csa2.evals.ppl import token_windows
-from hf_csa2.surgery.sources import load_source
+from hf_csa2.data.windows import token_windows
+from hf_csa2.io.sources import load_source
 
 
 @torch.no_grad()

@@ -12,11 +12,11 @@ import argparse
 import torch
 
 from hf_csa2.data.corpus import resolve_text
-from hf_csa2.evals.kv_cache import measure_kv_elements_per_token
-from hf_csa2.evals.ppl import token_windows
+from hf_csa2.metrics.kv_cache import measure_kv_elements_per_token
+from hf_csa2.data.windows import token_windows
 from hf_csa2.model.configuration_hf_csa2 import attention_head_dim
 from hf_csa2.surgery.mla import apply_mla, full_stack_width
-from hf_csa2.surgery.sources import load_source
+from hf_csa2.io.sources import load_source
 
 
 def on_each_path(model, run) -> dict:

@@ -31,7 +31,7 @@ fi
 
 echo "== model: smollm2-135m"
 rc=0
-"$PYTHON" -c "from hf_csa2.surgery.sources import resolve_alias; print(resolve_alias('smollm2-135m'))" || rc=$?
+"$PYTHON" -c "from hf_csa2.io.sources import resolve_alias; print(resolve_alias('smollm2-135m'))" || rc=$?
 if [[ $rc -ne 0 ]]; then
     # Offline machines cannot reach model hubs; that is not a script error.
     echo "NOTE: could not fetch smollm2-135m (exit $rc, see above); tests that need it will skip." >&2

@@ -1,4 +1,4 @@
-"""Probe of end-to-end distillation (``hf_csa2.training.distill``) on a converted checkpoint:
+"""Probe of end-to-end distillation (``hf_csa2.surgery.distill``) on a converted checkpoint:
 train its attention parameters toward the source's next-token distributions on calibration
 windows, then score the source, the checkpoint before and after on held-out text in one run.
 
@@ -10,9 +10,10 @@ import time
 
 import torch
 
-from hf_csa2.evals.ppl import mean_nll, token_windows
-from hf_csa2.surgery.sources import load_source
-from hf_csa2.training.distill import TRAINABLE, distill_to_source
+from hf_csa2.data.windows import token_windows
+from hf_csa2.metrics.perplexity import mean_nll
+from hf_csa2.io.sources import load_source
+from hf_csa2.surgery.distill import TRAINABLE, distill_to_source
 
 
 def main() -> None:

@@ -9,9 +9,9 @@ compares logits with the source on 4 held-out windows of 512 (python-docs:heldou
 import argparse
 
 from hf_csa2.data.corpus import resolve_text
-from hf_csa2.evals.ppl import token_windows
+from hf_csa2.data.windows import token_windows
 from hf_csa2.surgery.sinks import add_sinks, calibrate_sinks, min_logsumexp_per_head
-from hf_csa2.surgery.sources import load_source
+from hf_csa2.io.sources import load_source
 
 
 def main() -> None:

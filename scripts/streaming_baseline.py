@@ -11,9 +11,9 @@ import argparse
 import torch
 
 from hf_csa2.data.corpus import resolve_text
-from hf_csa2.evals.kv_cache import config_kv_elements_at_context
-from hf_csa2.evals.ppl import token_windows
-from hf_csa2.surgery.sources import load_source
+from hf_csa2.metrics.kv_cache import config_kv_elements_at_context
+from hf_csa2.data.windows import token_windows
+from hf_csa2.io.sources import load_source
 
 
 @torch.no_grad()

@@ -9,9 +9,10 @@ the 4 scoring windows); held-out = python-docs:heldout, first N windows of 512.
 import argparse
 
 from hf_csa2.data.corpus import resolve_text
-from hf_csa2.evals.ppl import mean_nll, token_windows
+from hf_csa2.data.windows import token_windows
+from hf_csa2.metrics.perplexity import mean_nll
 from hf_csa2.surgery.gqa import apply_gqa
-from hf_csa2.surgery.sources import load_source
+from hf_csa2.io.sources import load_source
 
 
 def main() -> None:

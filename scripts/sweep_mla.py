@@ -14,9 +14,10 @@ import argparse
 import time
 
 from hf_csa2.data.corpus import resolve_text
-from hf_csa2.evals.ppl import mean_nll, token_windows
+from hf_csa2.data.windows import token_windows
+from hf_csa2.metrics.perplexity import mean_nll
 from hf_csa2.surgery.mla import apply_mla, full_stack_width
-from hf_csa2.surgery.sources import load_source
+from hf_csa2.io.sources import load_source
 
 
 def main() -> None:

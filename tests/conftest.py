@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (dequantised from its GGUF), loaded once."""
-    from hf_csa2.surgery.sources import SourceError, load_source, resolve_alias
+    from hf_csa2.io.sources import SourceError, load_source, resolve_alias
 
     try:
         resolve_alias("smollm2-135m")

@@ -8,8 +8,9 @@ import textwrap
 import pytest
 import torch
 
-from hf_csa2.evals.kv_cache import measure_kv_elements_per_token
-from hf_csa2.evals.ppl import mean_nll, token_windows
+from hf_csa2.metrics.kv_cache import measure_kv_elements_per_token
+from hf_csa2.data.windows import token_windows
+from hf_csa2.metrics.perplexity import mean_nll
 from hf_csa2.surgery.gqa import apply_gqa
 from hf_csa2.surgery.sinks import add_sinks, calibrate_sinks
 

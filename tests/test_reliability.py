@@ -283,7 +283,10 @@ def test_a_bug_is_not_reported_as_bad_input(tmp_path, source, text_file, monkeyp
     def broken(*args, **kwargs):
         raise ValueError("an internal inconsistency")
 
+    import hf_csa2.cli as cli
+
     monkeypatch.setattr(ppl, "compare_ppl", broken)  # a bug, not bad input: it must keep its traceback
+    monkeypatch.setattr(cli, "compare_ppl", broken, raising=False)
     with pytest.raises(ValueError, match="internal inconsistency"):
         cli_main(["eval", "ppl", str(source), "--text", str(text_file), "--window", "64"])
 
@@ -404,11 +407,13 @@ def test_an_output_holding_an_input_is_refused(tmp_path):
 
 # -- 7. KV elements per token at a stated context --------------------------------------------
 
-def test_stage_report_counts_kv_at_the_plan_context(tmp_path, source, text_file):
-    from hf_csa2.evals.kv_cache import measure_kv_elements_at_context
+@pytest.mark.parametrize("other_mode, sink_tokens", [("reuse", 0), ("swa", 2), ("reindex", 3)])
+def test_stage_report_counts_kv_at_the_plan_context(tmp_path, source, text_file, other_mode, sink_tokens):
+    from hf_csa2.metrics.kv_cache import measure_kv_elements_at_context
 
     plan = {"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
-            "csa2": {"full_every": 2, "window": 16, "top_k": 8, "indexer_warmup_steps": 0},
+            "csa2": {"full_every": 2, "window": 16, "top_k": 8, "indexer_warmup_steps": 0, "other_mode": other_mode,
+                     "sink_tokens": sink_tokens},
             "calibration": calibration(text_file), "context": 200}
     result = convert(str(source), plan, log=lambda m: None)
     stage = result.report[-1]
@@ -416,14 +421,17 @@ def test_stage_report_counts_kv_at_the_plan_context(tmp_path, source, text_file)
     direct = measure_kv_elements_at_context(result.model, 200)  # a real 200-token prefill
     assert abs(stage.kv_elements_per_token - direct) < 1e-9
     assert abs(stage.kv_elements_per_token - stage.kv_elements_per_token_config) < 1e-9
-    from hf_csa2.evals.kv_cache import measure_kv_elements_per_token
+    from hf_csa2.metrics.kv_cache import measure_kv_elements_per_token
 
     assert stage.kv_elements_per_token < measure_kv_elements_per_token(result.model)  # windows pay off with length
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3_text", "llama"])
 def test_kv_at_context_equals_a_real_prefill(arch):
-    from hf_csa2.evals.kv_cache import measure_kv_elements_at_context, measure_kv_elements_per_token_at
+    from hf_csa2.metrics.kv_cache import (
+        measure_kv_elements_at_context,
+        measure_kv_elements_per_token_at,
+    )
 
     model = tiny_model(arch, num_layers=3)
     for context in (5, 40, 90):

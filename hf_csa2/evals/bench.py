@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from .kv_cache import live_cache_bytes, live_cache_elements
 from ..errors import InputError
+from ..metrics.kv_cache import live_cache_bytes, live_cache_elements
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")

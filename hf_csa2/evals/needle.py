@@ -28,6 +28,7 @@ import random
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 from ..errors import InputError
 
 CATEGORIES = ("local", "far", "distractor", "composition", "order", "repeated")

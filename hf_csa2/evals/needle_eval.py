@@ -9,16 +9,16 @@ table (one column per model plus ratios to the first), and ``heatmap_<model>_<ca
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .needle import CATEGORIES, NeedleSample, score_output
 from ..errors import InputError
+from .needle import CATEGORIES, NeedleSample, score_output
 
 
 def build_prompt(tokenizer, sample: NeedleSample, chat_template: bool = True) -> str:

@@ -5,10 +5,12 @@ The protocol is fixed so that numbers from different runs/models line up:
 * text comes from ``hf_csa2.data.corpus`` (a path or ``"python-docs:heldout"``
   style spec), files concatenated in sorted order;
 * it is tokenized once, without special tokens, and cut into NON-overlapping
-  windows of exactly ``window`` tokens (the ragged tail is dropped);
+  windows of exactly ``window`` tokens (the ragged tail is dropped;
+  :func:`hf_csa2.data.windows.token_windows`);
 * each window is scored independently (no carried state), predicting every
   position but the first: ``N * (window - 1)`` tokens in total;
-* log-probabilities are computed and accumulated in float64.
+* log-probabilities are computed and accumulated in float64
+  (:func:`hf_csa2.metrics.perplexity.mean_nll`).
 """
 
 from __future__ import annotations
@@ -23,159 +25,10 @@ from typing import Any
 
 import torch
 
-from hf_csa2.data.corpus import read_text, resolve_text
-from hf_csa2.errors import InputError
-
-# English BPE averages ~4 chars/token; reading 8x the tokens we need usually
-# covers max_windows in one pass, and we double and retry if it does not.
-_CHARS_PER_TOKEN_BUDGET = 8
-_MIN_CHAR_BUDGET = 4096
-# Cutting the text mid-word can change how the last few tokens are split, so a
-# truncated read must overshoot what we keep by at least this many tokens.
-_TAIL_MARGIN_TOKENS = 64
-# Upper bound on float64 log-prob elements materialised at once (~256 MiB), so
-# large vocabularies (e.g. 262k for Gemma) do not blow up memory.
-_MAX_LOGPROB_ELEMS = 1 << 25
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    # verbose=False: the whole corpus is far longer than model_max_length on
-    # purpose, and the "sequence too long" warning would be noise.
-    enc = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)
-    return list(enc["input_ids"])
-
-
-def _token_stream(tokenizer, path: Path, need: int | None) -> list[int]:
-    """Token ids of ``read_text(path)``; at least the first ``need`` of them are
-    identical to tokenizing the whole text, but only a prefix is read."""
-    if need is None:
-        return _encode(tokenizer, read_text(path))
-    budget = max(need * _CHARS_PER_TOKEN_BUDGET, _MIN_CHAR_BUDGET)
-    while True:
-        text = read_text(path, max_chars=budget)
-        ids = _encode(tokenizer, text)
-        if len(text) < budget or len(ids) >= need + _TAIL_MARGIN_TOKENS:
-            return ids
-        budget *= 2
-
-
-def token_windows(
-    tokenizer,
-    text_path: str | os.PathLike,
-    window: int = 512,
-    max_windows: int | None = None,
-) -> torch.LongTensor:
-    """Cut the token stream of a text into non-overlapping windows.
-
-    Args:
-        tokenizer: a Hugging Face tokenizer (called with ``add_special_tokens=False``).
-        text_path: file, directory, or named corpus spec (see
-            ``hf_csa2.data.corpus.resolve_text``).
-        window: tokens per window (>= 2, since the first token is never scored).
-        max_windows: keep at most this many windows; only about as much text
-            as needed (with generous headroom) is read and tokenized.
-
-    Returns:
-        LongTensor ``[N, window]`` with ``N = min(max_windows, len(stream) // window)``;
-        ``windows.flatten()`` equals the first ``N * window`` ids of tokenizing
-        the whole text, so every model with this tokenizer sees the same windows.
-
-    Raises:
-        ValueError: if the text yields no complete window.
-    """
-    if window < 2:
-        raise ValueError(f"window must be >= 2 (first token is not predicted), got {window}")
-    if max_windows is not None and max_windows < 1:
-        raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
-    path = resolve_text(text_path)
-    need = None if max_windows is None else max_windows * window
-    ids = _token_stream(tokenizer, path, need)
-    n = len(ids) // window
-    if max_windows is not None:
-        n = min(n, max_windows)
-    if n == 0:
-        raise InputError(
-            f"text at {path} tokenizes to {len(ids)} tokens, fewer than one window of {window}"
-        )
-    return torch.tensor(ids[: n * window], dtype=torch.long).view(n, window)
-
-
-def _model_device(model) -> torch.device:
-    dev = getattr(model, "device", None)
-    if isinstance(dev, torch.device):
-        return dev
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def _check_vocab(model, windows: torch.Tensor) -> None:
-    # An out-of-range id would otherwise surface as an opaque indexing error
-    # deep inside the embedding (or silently wrong on some backends).
-    get_emb = getattr(model, "get_input_embeddings", None)
-    emb = get_emb() if callable(get_emb) else None
-    n = getattr(emb, "num_embeddings", None)
-    if n is not None and windows.numel() and int(windows.max()) >= n:
-        raise InputError(
-            f"token id {int(windows.max())} is outside the model's embedding table "
-            f"({n} rows); the windows were made with a different tokenizer"
-        )
-
-
-def _safe_exp(x: float) -> float:
-    try:
-        return math.exp(x)
-    except OverflowError:  # a badly broken model; still report it
-        return math.inf
-
-
-def mean_nll(model, windows: torch.Tensor, batch_size: int = 1) -> dict:
-    """Mean next-token negative log-likelihood of ``model`` over ``windows``.
-
-    Args:
-        model: causal LM returning ``.logits`` of shape ``[B, W, V]``.
-        windows: LongTensor ``[N, W]`` (from ``token_windows``), W >= 2.
-        batch_size: windows per forward pass (memory/speed trade-off only;
-            results are the same up to floating-point kernel differences).
-
-    Returns:
-        ``{"nll": float, "ppl": exp(nll), "tokens": N * (W - 1)}``. Positions
-        1..W-1 of every window are predicted from the preceding ones; the log
-        softmax and the sum are done in float64. The model runs in eval mode
-        under ``torch.no_grad`` with ``use_cache=False``; its previous
-        train/eval mode is restored afterwards.
-    """
-    if windows.ndim != 2 or windows.shape[1] < 2 or windows.shape[0] < 1:
-        raise ValueError(f"windows must be [N>=1, W>=2], got shape {tuple(windows.shape)}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    _check_vocab(model, windows)
-    device = _model_device(model)
-    n, w = windows.shape
-    total = torch.zeros((), dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for start in range(0, n, batch_size):
-                batch = windows[start : start + batch_size].to(device)
-                out = model(input_ids=batch, use_cache=False)
-                logits = out.logits if hasattr(out, "logits") else out[0]
-                vocab = logits.shape[-1]
-                step = max(1, _MAX_LOGPROB_ELEMS // vocab)
-                for row_logits, row_ids in zip(logits, batch):
-                    for s in range(0, w - 1, step):
-                        e = min(s + step, w - 1)
-                        lp = torch.log_softmax(row_logits[s:e].double(), dim=-1)
-                        tgt = row_ids[s + 1 : e + 1].unsqueeze(-1)
-                        total -= lp.gather(-1, tgt).sum().cpu()
-                del out, logits
-    finally:
-        model.train(was_training)
-    tokens = n * (w - 1)
-    nll = float(total / tokens)
-    return {"nll": nll, "ppl": _safe_exp(nll), "tokens": tokens}
+from ..data.corpus import resolve_text
+from ..data.windows import token_stream, token_windows
+from ..errors import InputError
+from ..metrics.perplexity import mean_nll
 
 
 class PplResults(list):
@@ -249,7 +102,7 @@ def compare_ppl(
             else:
                 # token_windows guarantees windows[0] is the prefix of the
                 # stream, so re-deriving just one window is an exact check.
-                ids = _token_stream(tokenizer, path, need=window)[:window]
+                ids = token_stream(tokenizer, path, need=window)[:window]
                 if ids != windows[0].tolist():
                     raise InputError(
                         f"model {name!r} uses a different tokenizer than {results[0]['model']!r}: "

@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..data.corpus import resolve_text
+from ..data.windows import token_windows
+from ..io.sources import load_source
+
 REMOTE_CODE_CHECK = textwrap.dedent(
     """
     import sys, torch
@@ -55,8 +59,6 @@ def reload_without_hf_csa2(checkpoint: str | os.PathLike, x: torch.Tensor, work_
 def round_trip(checkpoint: str, x: torch.Tensor, new_tokens: int = 5) -> dict:
     """Max abs logit difference and greedy agreement between ``checkpoint`` loaded by hf_csa2
     and by stock transformers with remote code only."""
-    from ..surgery.sources import load_source
-
     model = load_source(checkpoint, check_supported=False).model.eval()
     ours = model(x).logits
     gen = model.generate(x, max_new_tokens=new_tokens, do_sample=False)
@@ -67,10 +69,6 @@ def round_trip(checkpoint: str, x: torch.Tensor, new_tokens: int = 5) -> dict:
 
 
 def main() -> None:
-    from ..data.corpus import resolve_text
-    from ..evals.ppl import token_windows
-    from ..surgery.sources import load_source
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("--tokens", type=int, default=700, help="prompt length (real held-out text)")

@@ -31,8 +31,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from ..errors import UserError
 from ..io.checkpoint import save_checkpoint
 from ..io.output import OUTPUT_MARKER, check_output_dir
+from ..io.sources import load_source, resolve_source
 from ..model import Csa2ForCausalLM, Csa2LatentAttention
-from ..surgery.sources import load_source, resolve_source
 
 EXPORT_FORMATS = ("deepseek_v3",)
 EXPORTABLE_BASES = ("llama", "mistral", "qwen2")

@@ -14,11 +14,21 @@ import torch
 
 from ..model import Csa2ForCausalLM
 from ..model.attention_base import rotate_half
-from ..model.configuration_hf_csa2 import CSA2_MODES, attention_head_dim
+from ..model.configuration_hf_csa2 import (
+    CSA2_MODES,
+    CSA2_READ_PATHS,
+    attention_head_dim,
+)
 from ..model.csa2_attention import Csa2WindowAttention, read_path
 from ..model.sparse_attention import sparse_sink_attention
-from ..training.indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
-from .layerwise import refit_output_projection
+from .calibration import decoder_layers
+from .indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
+from .layerwise import (
+    calibrate_layerwise,
+    refit_output_projection,
+    source_attention_outputs,
+)
+from .mla import apply_mla
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -375,8 +385,6 @@ def build_csa2_skeleton(dense, modes: list[str], *, window: int, top_k: int, kv_
     """The CSA2 model of ``modes`` before its readers/indexers are fitted: full layers in MLA
     form (:func:`apply_mla` on those layers only, fitted on ``windows`` [N, T]), every other
     layer with the dense layer's own projections. ``dense``: an hf_csa2 model with dense layers."""
-    from .mla import apply_mla
-
     if any(s["kind"] != "dense" for s in dense.config.attention_layers):
         raise ValueError("CSA2 surgery needs dense attention layers as input")
     if len(modes) != len(dense.config.attention_layers):
@@ -419,7 +427,7 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     ``sink_tokens`` tokens exactly (StreamingLLM's attention sinks). All fits (:func:`fit_csa2_layer`) run layer
     by layer on the converted model's own activations over the calibration ``windows`` [N, T].
     With ``indexer_warmup_steps`` the indexers of full and reindex layers are trained to the
-    dense attention (:func:`~hf_csa2.training.indexer_warmup.warm_up_indexer`). With
+    dense attention (:func:`~hf_csa2.surgery.indexer_warmup.warm_up_indexer`). With
     ``calibrate_mass`` each reader's per-head logit bias is set so the entries get the share
     of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`);
     with ``refine_bias`` each head's bias then moves to minimise its read-out error
@@ -427,10 +435,6 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     calibration windows are short, where ``"scores"`` is the fast exact path); the returned
     model reads through the reference ``"gather"`` path. It carries ``fit_notes`` (one dict per layer).
     """
-    from ..model.configuration_hf_csa2 import CSA2_READ_PATHS
-    from .calibration import decoder_layers
-    from .layerwise import calibrate_layerwise, source_attention_outputs
-
     if fit_read_path not in CSA2_READ_PATHS:
         raise ValueError(f"fit_read_path={fit_read_path!r}; allowed: {', '.join(CSA2_READ_PATHS)}")
     dense = as_dense_csa2(model)

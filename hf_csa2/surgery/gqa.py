@@ -32,7 +32,11 @@ import torch
 
 from ..model.configuration_hf_csa2 import attention_head_dim
 from .calibration import augmented_moment, decoder_layers
-from .layerwise import calibrate_layerwise, refit_output_projection, source_attention_outputs
+from .layerwise import (
+    calibrate_layerwise,
+    refit_output_projection,
+    source_attention_outputs,
+)
 from .rebuild import is_csa2, native_specs, to_csa2
 
 

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from ..training.held_out import BestState
 from .calibration import run_with_attention_hooks
+from .held_out import BestState
 
 
 @torch.no_grad()

@@ -52,7 +52,12 @@ from ..model.latent_attention import Csa2LatentAttention, rope_dim_indices
 from ..model.sink_attention import masked_logits
 from .calibration import augmented_moment, decoder_layers, run_with_attention_hooks
 from .gqa import _augment, _split, has_qk_norm
-from .layerwise import calibrate_layerwise, refine_layer_output, refit_output_projection, source_attention_outputs
+from .layerwise import (
+    calibrate_layerwise,
+    refine_layer_output,
+    refit_output_projection,
+    source_attention_outputs,
+)
 from .rebuild import is_csa2, native_specs, to_csa2
 
 ROPE_CRITERIA = ("perturbation", "norm")

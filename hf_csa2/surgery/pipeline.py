@@ -20,20 +20,23 @@ import torch
 from transformers import PreTrainedModel
 
 from ..data.corpus import resolve_text
-from ..evals.kv_cache import config_kv_elements_at_context, measure_kv_elements_per_token_at
-from ..evals.ppl import mean_nll, token_windows
+from ..data.windows import token_windows
 from ..io.checkpoint import save_checkpoint
 from ..io.output import OUTPUT_MARKER, OutputError, OutputExistsError, check_output_dir
+from ..io.sources import SourceError, load_source, peek_config, resolve_source
+from ..metrics.kv_cache import (
+    config_kv_elements_at_context,
+    measure_kv_elements_per_token_at,
+)
+from ..metrics.perplexity import mean_nll
 from ..model import SUPPORTED_BASE_MODEL_TYPES
-from ..training.distill import distill_to_source
 from .csa2 import apply_csa2
+from .distill import distill_to_source
 from .gqa import apply_gqa, has_qk_norm
 from .mla import apply_mla
 from .plan import ConversionPlan, PlanError
 from .rebuild import is_csa2, to_native
 from .sinks import add_sinks, calibrate_sinks
-from .sources import SourceError, load_source, peek_config, resolve_source
-
 
 logger = logging.getLogger(__name__)  # long stages report progress here (the CLI shows INFO on stderr)
 
@@ -181,7 +184,7 @@ def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) ->
 
 def distill_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
     """Train the converted model toward the source's next-token distributions (see
-    :mod:`hf_csa2.training.distill`); in place, the source is only read."""
+    :mod:`hf_csa2.surgery.distill`); in place, the source is only read."""
     d = plan.distill
     notes = distill_to_source(model, source_model, calib.distill, steps=d.steps, lr=d.lr, batch=d.batch,
                               holdout=d.holdout, every=d.every, trainable=d.trainable, log=logger.info)

@@ -29,7 +29,13 @@ from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from ..errors import UserError
-from ..model.configuration_hf_csa2 import CSA2_MODES
+from ..model.configuration_hf_csa2 import (
+    CSA2_MODES,
+    QK_NORM_BASE_MODEL_TYPES,
+    attention_head_dim,
+)
+from .csa2 import default_sources
+from .distill import TRAINABLE as DISTILL_TRAINABLE
 
 GQA_INITS = ("calibrated", "mean")
 MLA_INITS = ("activation_aware", "weight_svd")
@@ -38,7 +44,6 @@ MLA_ROPE_CRITERIA = ("perturbation", "norm")
 SINK_INITS = ("calibrated", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 CSA2_OTHER_MODES = ("reuse", "reindex", "swa")
-DISTILL_TRAINABLE = ("attention", "all")  # hf_csa2.training.distill.TRAINABLE (kept import-free here)
 
 # Upper bounds: far above anything these models use, low enough that a typo (1e11 tokens,
 # a 2^60 top-k) is refused at once instead of failing after minutes of work.
@@ -318,16 +323,12 @@ class ConversionPlan:
             modes = self.csa2.layer_modes(config.num_hidden_layers)
             if len(modes) != config.num_hidden_layers:
                 raise PlanError(f"csa2.layers has {len(modes)} modes; the model has {config.num_hidden_layers} layers (one each)")
-            from .csa2 import default_sources
-
             try:
                 default_sources(modes)
             except ValueError as err:
                 raise PlanError(f"csa2.layers: {err}") from err
 
     def _validate_mla_for(self, config) -> None:
-        from ..model.configuration_hf_csa2 import QK_NORM_BASE_MODEL_TYPES, attention_head_dim
-
         mla = self.mla
         d = attention_head_dim(config)
         kv = self.gqa.num_key_value_heads if self.gqa is not None else (

@@ -31,14 +31,22 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..evals.kv_cache import config_kv_elements_at_context
-from ..evals.ppl import mean_nll
+from ..errors import InputError
+from ..metrics.kv_cache import config_kv_elements_at_context
+from ..metrics.perplexity import mean_nll
 from ..model.configuration_hf_csa2 import Csa2Config, validate_csa2_sources
 from ..model.csa2_attention import Csa2WindowAttention
 from .calibration import decoder_layers
-from .csa2 import Csa2FitOptions, apply_csa2, as_dense_csa2, csa2_layer_specs, default_sources, fit_csa2_layer
+from .csa2 import (
+    Csa2FitOptions,
+    apply_csa2,
+    as_dense_csa2,
+    csa2_layer_specs,
+    default_sources,
+    dense_layer_specs,
+    fit_csa2_layer,
+)
 from .layerwise import calibrate_layerwise, source_attention_outputs
-from ..errors import InputError
 
 SEARCH_OTHER_MODES = ("reuse", "reindex", "swa")
 
@@ -284,8 +292,6 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict
     """Greedy plan search (module docstring) down to ``kv_budget`` elements per token at
     ``context`` tokens. Also scores the uniform plan with as many full layers as the chosen one;
     with ``swa_pass``, then tries the chosen plan's readers as ``swa`` (:meth:`PlanBank.swa_pass`)."""
-    from .csa2 import dense_layer_specs
-
     dense_specs = dense_layer_specs(model)
     n = len(dense_specs)
     base = model.config.to_base_config() if hasattr(model.config, "to_base_config") else model.config

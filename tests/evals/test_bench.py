@@ -7,7 +7,7 @@ from tiny_models import save_tiny_source, tiny_model
 
 from hf_csa2.cli import main as cli_main
 from hf_csa2.evals.bench import bench, format_bench_table
-from hf_csa2.evals.kv_cache import config_kv_elements_per_token
+from hf_csa2.metrics.kv_cache import config_kv_elements_per_token
 from hf_csa2.surgery.gqa import apply_gqa
 
 

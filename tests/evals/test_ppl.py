@@ -16,7 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_csa2.data.corpus import CorpusError, read_text, resolve_text
-from hf_csa2.evals import ppl
+from hf_csa2.data import windows as windows_module
+from hf_csa2.metrics import perplexity as perplexity_module
 from hf_csa2.evals.ppl import (
     PplResults,
     compare_ppl,
@@ -148,7 +149,7 @@ def test_mean_nll_chunked_logprobs(tok, text_dir):
     model = make_model()
     windows = token_windows(tok, text_dir, window=24, max_windows=3)
     want, _ = manual_nll(model, windows)
-    with mock.patch.object(ppl, "_MAX_LOGPROB_ELEMS", VOCAB * 5):
+    with mock.patch.object(perplexity_module, "_MAX_LOGPROB_ELEMS", VOCAB * 5):
         got = mean_nll(model, windows)
     assert abs(got["nll"] - want) < 1e-6
 
@@ -294,9 +295,9 @@ def test_windows_are_prefix_of_stream(files, seps, window, max_windows, tight_bu
         # A tight character budget forces the read-more-and-retry path.
         tight = 1 if tight_budget else None
         with mock.patch.multiple(
-            ppl,
-            _CHARS_PER_TOKEN_BUDGET=tight or ppl._CHARS_PER_TOKEN_BUDGET,
-            _MIN_CHAR_BUDGET=tight or ppl._MIN_CHAR_BUDGET,
+            windows_module,
+            _CHARS_PER_TOKEN_BUDGET=tight or windows_module._CHARS_PER_TOKEN_BUDGET,
+            _MIN_CHAR_BUDGET=tight or windows_module._MIN_CHAR_BUDGET,
         ):
             if n == 0:
                 with pytest.raises(ValueError):

@@ -7,7 +7,7 @@ import torch
 from remote_code import assert_reloads_without_hf_csa2
 from tiny_models import ARCHS, VOCAB, tiny_model
 
-from hf_csa2.evals.kv_cache import (
+from hf_csa2.metrics.kv_cache import (
     config_kv_elements_at_context,
     config_kv_elements_per_token,
     live_cache_elements,
@@ -197,8 +197,7 @@ def test_assisted_decoding_matches_greedy(sink_tokens):
 
 
 def test_top_k_smaller_than_history_really_drops_entries():
-    """With K < history the read differs from reading everything (the index matters), and
-    moving an unselected old entry's token changes nothing in a reuse layer's read-out."""
+    """With K < history the read differs from reading everything: the index matters."""
     everything, _, _ = csa2_model("llama", *MIXED_PLAN, top_k=32)
     sparse, _, _ = csa2_model("llama", *MIXED_PLAN, top_k=2)
     x = ids(length=24)

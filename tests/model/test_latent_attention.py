@@ -6,7 +6,7 @@ import torch
 from remote_code import assert_reloads_without_hf_csa2
 from tiny_models import ARCHS, VOCAB, tiny_model
 
-from hf_csa2.evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
+from hf_csa2.metrics.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
 from hf_csa2.model import Csa2Config, Csa2LatentAttention
 from hf_csa2.surgery.mla import apply_mla, full_stack_width
 from hf_csa2.surgery.sinks import add_sinks

@@ -56,7 +56,8 @@ def test_calibrated_beats_mean_on_tiny_models(arch):
     kl = {name: kl_to_source(src, m, held_out) for name, m in [("mean", mean), ("merge", merge_only), ("refit", calibrated)]}
     assert kl["merge"] < kl["mean"] and kl["refit"] < kl["mean"], kl
     fits = calibrated.fit_notes
-    assert all(f["rel_err_after"] <= f["rel_err_before"] + 1e-9 for f in fits), fits
+    # the ridge pulls toward the merged o_proj, so "no worse" holds by construction: ask for a real gain
+    assert all(f["rel_err_after"] < 0.9 * f["rel_err_before"] for f in fits), fits
 
 
 def test_one_shot_merge_from_source_moments_beats_mean():

@@ -147,7 +147,7 @@ def test_drop_scores_and_dropped_cells_are_removed_from_the_keys():
 
 
 def test_uneven_ranks_keep_the_total_cache():
-    from hf_csa2.evals.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
+    from hf_csa2.metrics.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
 
     src = tiny_model("llama")
     fit = torch.randint(3, VOCAB, (4, 48), generator=torch.Generator().manual_seed(2))
@@ -184,8 +184,9 @@ def test_refinement_lowers_held_out_layer_error_and_never_raises_it():
     unseen = torch.randint(3, VOCAB, (4, 48), generator=gen)
     plain = apply_mla(src, 4, 2, windows=fit)
     refined = apply_mla(src, 4, 2, windows=fit, splits=plain.rope_splits, refine_steps=100, refine_lr=1e-3)
-    for notes in refined.fit_notes:
-        assert notes["refine_heldout_err_after"] <= notes["refine_heldout_err_before"]
+    before = sum(n["refine_heldout_err_before"] for n in refined.fit_notes)
+    after = sum(n["refine_heldout_err_after"] for n in refined.fit_notes)
+    assert after < before, refined.fit_notes  # strictly: the keep rule alone only gives <=
     assert refined.fit_notes[0]["refine_kept_step"] > 0
     assert refined.fit_notes[0]["refine_heldout_err_after"] < refined.fit_notes[0]["refine_heldout_err_before"]
 

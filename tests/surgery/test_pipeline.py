@@ -15,7 +15,7 @@ import hf_csa2
 from hf_csa2.cli import main as cli_main
 from hf_csa2.surgery.pipeline import OutputExistsError, convert
 from hf_csa2.surgery.plan import PlanError
-from hf_csa2.surgery.sources import SourceError
+from hf_csa2.io.sources import SourceError
 
 TEXT = " ".join(
     f"Section {i}: the parser reads token {i * 7 % 13} and writes value {i * 3 % 11} to the buffer."
@@ -184,8 +184,10 @@ def test_distill_stage_after_mla_lowers_its_held_out_kl_and_is_reported(tmp_path
     assert [s["stage"] for s in stages] == ["source", "mla", "distill"]
     notes = stages[-1]["notes"]
     assert notes["windows"] == 10 and notes["trainable"] == "attention"
-    assert notes["distill_heldout_kl_after"] <= notes["distill_heldout_kl_before"]
-    from hf_csa2.surgery.sources import load_source
+    # held-out KL falls by a margin (the keep rule alone would only give <=) and a trained state was kept
+    assert notes["distill_heldout_kl_after"] < 0.95 * notes["distill_heldout_kl_before"], notes
+    assert notes["distill_kept_step"] > 0
+    from hf_csa2.io.sources import load_source
 
     reloaded = load_source(out).model
     x = torch.randint(4, 100, (1, 12))
@@ -244,7 +246,8 @@ def test_distill_command_continues_a_converted_checkpoint(tmp_path, text_file):
     assert [s["stage"] for s in stages] == ["source", "mla", "distill"]
     notes = stages[-1]["notes"]
     assert notes["continued_from"] == str(conv) and notes["windows"] == 10
-    assert notes["distill_heldout_kl_after"] <= notes["distill_heldout_kl_before"]
+    assert notes["distill_heldout_kl_after"] < 0.95 * notes["distill_heldout_kl_before"], notes
+    assert notes["distill_kept_step"] > 0
     assert "distill" in (out / "hf_csa2_plan.yaml").read_text()
     # bad input is refused before loading anything, with the allowed values
     proc = run_cli("distill", str(tmp_path / "src"), str(conv), "--steps", "0", "--out", str(tmp_path / "x"))

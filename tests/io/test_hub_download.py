@@ -11,9 +11,9 @@ import pytest
 from huggingface_hub import errors as hf_errors
 from tiny_models import save_tiny_source
 
-import hf_csa2.surgery.sources as sources
+import hf_csa2.io.sources as sources
 from hf_csa2.cli import main as cli_main
-from hf_csa2.surgery.sources import HUB_FILES, SourceError, resolve_source
+from hf_csa2.io.sources import HUB_FILES, SourceError, resolve_source
 
 
 @pytest.fixture

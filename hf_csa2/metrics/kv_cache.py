@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_csa2.model.configuration_hf_csa2 import QK_NORM_BASE_MODEL_TYPES as QK_NORM_MODEL_TYPES
+from hf_csa2.model.configuration_hf_csa2 import (
+    QK_NORM_BASE_MODEL_TYPES as QK_NORM_MODEL_TYPES,
+)
 from hf_csa2.model.configuration_hf_csa2 import attention_head_dim
 
 

@@ -1,11 +1,11 @@
-"""End-to-end distillation toward the source (hf_csa2.training.distill)."""
+"""End-to-end distillation toward the source (hf_csa2.surgery.distill)."""
 
 import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
 
 from hf_csa2.surgery.mla import apply_mla
-from hf_csa2.training.distill import distill_to_source, token_kl, trainable_parameters
+from hf_csa2.surgery.distill import distill_to_source, token_kl, trainable_parameters
 
 
 def test_token_kl_is_zero_for_equal_logits_and_positive_otherwise():
@@ -81,10 +81,3 @@ def test_distillation_refuses_bad_arguments_before_training(kwargs, match):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=match):
         distill_to_source(model, src, fit, **{"steps": 1, **kwargs})
-
-
-def test_plan_and_cli_offer_the_trainable_sets_the_distillation_has():
-    from hf_csa2.surgery.plan import DISTILL_TRAINABLE
-    from hf_csa2.training.distill import TRAINABLE
-
-    assert DISTILL_TRAINABLE == TRAINABLE

@@ -12,8 +12,8 @@ from tiny_models import VOCAB, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from hf_csa2.surgery import sources
-from hf_csa2.surgery.sources import (
+from hf_csa2.io import sources
+from hf_csa2.io.sources import (
     ALIASES,
     DEFAULT_ALIAS,
     SUPPORTED_MODEL_TYPES,

@@ -39,7 +39,7 @@ from huggingface_hub import snapshot_download
 
 from ..cache import cache_dir
 from ..errors import UserError
-from ..io.trust import changed_model_code, foreign_code
+from .trust import changed_model_code, foreign_code
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
