@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from .data.corpus import read_text, resolve_text
-from .errors import InputError, UserError
+from .errors import InputError, UserError, one_line
 from .evals.bench import bench, format_bench_table
 from .evals.lm_eval_glue import (
     check_tasks,
@@ -571,16 +571,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as err:
-        print(f"hf-csa2: error: {_one_line(err)}", file=sys.stderr)
+        print(f"hf-csa2: error: {one_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("hf-csa2: interrupted (unfinished checkpoint folders are removed; eval needle resumes from its journal)",
               file=sys.stderr)
         return EXIT_INTERRUPTED
 
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split())
 
 
 if __name__ == "__main__":

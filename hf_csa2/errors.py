@@ -18,4 +18,10 @@ class InputError(UserError, ValueError):
     with different tokenizers passed to one perplexity comparison)."""
 
 
-__all__ = ["InputError", "UserError"]
+def one_line(err: BaseException, limit: int | None = None) -> str:
+    """An error's message on one line (transformers' messages span several), capped at ``limit``."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
+__all__ = ["InputError", "UserError", "one_line"]

@@ -38,7 +38,7 @@ from huggingface_hub import errors as hf_errors
 from huggingface_hub import snapshot_download
 
 from ..cache import cache_dir
-from ..errors import UserError
+from ..errors import UserError, one_line
 from .trust import changed_model_code, foreign_code
 
 if TYPE_CHECKING:
@@ -510,10 +510,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, check_supported: bool):
     return model, tokenizer
 
 
-def _one_line(err: Exception, limit: int = 400) -> str:
-    """The error's message on one line (capped): transformers' messages span several lines."""
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _one_line(err: Exception) -> str:
+    return one_line(err, limit=400)
 
 
 def check_folder_code(folder: Path, trust_remote_code: bool) -> None:
@@ -559,6 +557,7 @@ def load_source(
     trust_remote_code: bool = False,
     revision: str | None = None,
     offline: bool | None = None,
+    resolved: tuple[str, Path] | None = None,
 ) -> LoadedSource:
     """Resolve and load ``source`` as a plain float model (eval mode, CPU, ``dtype``) plus tokenizer.
 
@@ -568,7 +567,8 @@ def load_source(
     with missing, unexpected or mis-shaped weights is refused.
     """
     name = os.fspath(source)
-    kind, path = resolve_source(source, revision=revision, offline=offline)
+    # ``resolved``: the caller's resolve_source result (a Hub ID is then not asked for again)
+    kind, path = resolved or resolve_source(source, revision=revision, offline=offline)
     if path.is_file():
         model, tokenizer = _load_gguf(path, dtype, check_supported)
     else:

@@ -261,10 +261,11 @@ class PreparedSource:
 
 def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None] = print, *,
                    trust_remote_code: bool = False, revision: str | None = None,
-                   offline: bool | None = None) -> PreparedSource:
+                   offline: bool | None = None, resolved: tuple[str, Path] | None = None) -> PreparedSource:
     """Check ``plan`` against the source's config (before loading weights), load the source
-    and cut the calibration windows (``fit`` / ``score``). ``revision``/``offline``: for Hub IDs."""
-    kind, path = resolve_source(source, revision=revision, offline=offline)
+    and cut the calibration windows (``fit`` / ``score``). ``revision``/``offline``: for Hub IDs;
+    ``resolved``: the caller's ``resolve_source`` result, so the source is resolved once."""
+    kind, path = resolved or resolve_source(source, revision=revision, offline=offline)
     config = peek_config(kind, path, trust_remote_code=trust_remote_code)
     if config.model_type not in SUPPORTED_BASE_MODEL_TYPES:
         raise SourceError(
@@ -274,7 +275,7 @@ def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None]
     text_path = resolve_text(plan.calibration.text)
     t0 = time.perf_counter()
     loaded = load_source(source, dtype=getattr(torch, plan.dtype), trust_remote_code=trust_remote_code,
-                         revision=revision, offline=offline)
+                         resolved=(kind, path))
     model = loaded.model.eval()
     model.config._attn_implementation = model.config._attn_implementation or "sdpa"
     cal = plan.calibration
@@ -322,8 +323,7 @@ def convert(
     if out_dir is not None:
         check_output_dir(out_dir, overwrite=overwrite, inputs=inputs)
     t0 = time.perf_counter()
-    prepared = prepare_source(source, plan, log, trust_remote_code=trust_remote_code, revision=revision,
-                              offline=offline)
+    prepared = prepare_source(source, plan, log, trust_remote_code=trust_remote_code, resolved=(kind, source_path))
     loaded, model, calib, kind, config = (prepared.loaded, prepared.model, prepared.calib, prepared.kind,
                                           prepared.config)
     report = [_stage_report("source", model, calib, t0, {"kind": kind, "model_type": config.model_type}, plan.context)]

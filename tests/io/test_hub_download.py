@@ -90,7 +90,8 @@ def test_convert_downloads_a_hub_id_when_online(fake_hub, monkeypatch, tmp_path,
     code = cli_main(["convert", "org/model", "--revision", "main", "--sinks", "--calib-text", str(text),
                      "--calib-tokens", "1024", "--out", str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err[-2000:]
-    assert calls and all(c["local_files_only"] is False and c["revision"] == "main" for c in calls)
+    assert len(calls) == 1, calls  # resolved once, not once per loading step
+    assert calls[0]["local_files_only"] is False and calls[0]["revision"] == "main"
     assert (tmp_path / "out" / "config.json").exists()
     fake.error = hf_errors.GatedRepoError("restricted", response=response(403))
     code = cli_main(["convert", "org/model", "--offline", "--sinks", "--out", str(tmp_path / "out2")])
