@@ -16,6 +16,7 @@ from hf_csa2.metrics.kv_cache import measure_kv_elements_per_token
 from hf_csa2.data.windows import token_windows
 from hf_csa2.model.configuration_hf_csa2 import attention_head_dim
 from hf_csa2.surgery.mla import apply_mla, full_stack_width
+from hf_csa2.surgery.plan import MlaPlan
 from hf_csa2.io.sources import load_source
 
 
@@ -44,9 +45,10 @@ def main() -> None:
     windows = token_windows(src.tokenizer, resolve_text("python-docs:heldout"), 512, args.windows)
     config = src.model.config
     rope_pairs = attention_head_dim(config) // 2
-    full = apply_mla(src.model, full_stack_width(config, config.num_key_value_heads, rope_pairs), rope_pairs,
-                     factorisation="weight_svd")
-    diffs = max_abs_diff(on_each_path(full, lambda: full(windows).logits), src.model(windows).logits)
+    plan = MlaPlan(kv_lora_rank=full_stack_width(config, config.num_key_value_heads, rope_pairs),
+                   qk_rope_head_dim=2 * rope_pairs, rope_key="per_head", init="weight_svd")
+    full, _ = apply_mla(src.model, plan)
+    diffs = max_abs_diff(on_each_path(full, lambda model=full: model(windows).logits), src.model(windows).logits)
     print(f"full rank, all {rope_pairs} rope pairs, vs the source: max abs logit diff "
           f"explicit {diffs['explicit']:.3g}, absorbed {diffs['absorbed']:.3g}")
     del full, src

@@ -7,6 +7,7 @@ each learning rate. Much cheaper than a whole conversion; the whole-model effect
 """
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -35,14 +36,15 @@ def main() -> None:
     layers = [int(x) for x in args.layers.split(",")]
     for lr in (float(x) for x in args.lrs.split(",")):
         t0 = time.perf_counter()
-        model = apply_mla(src.model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, windows=src.calib.fit,
-                          rope_criterion=mla.rope_criterion, shared_rope_key=mla.rope_key == "shared",
-                          factorisation=mla.init, ridge=mla.ridge, only_layers=layers, refine_steps=args.steps, refine_lr=lr)
+        # The plan's own fields, but the refinement of this probe (latent_norm/uniform_rope off, as before).
+        probe = dataclasses.replace(mla, latent_norm=False, uniform_rope=False, refit_output=True,
+                                    refine_steps=args.steps, refine_lr=lr)
+        _, report = apply_mla(src.model, probe, windows=src.calib.fit, only_layers=layers)
         print(f"lr {lr:g} ({time.perf_counter() - t0:.0f} s)")
         for i in layers:
-            n = model.fit_notes[i]
-            print(f"  layer {i}: closed form {n['rel_err']:.4f}, o_proj refit {n['rel_err_after']:.4f}, held-out "
-                  f"{n['refine_heldout_err_before']:.4f} -> {n['refine_heldout_err_after']:.4f} (kept step {n['refine_kept_step']})")
+            n = report.layers[i]
+            print(f"  layer {i}: closed form {n.rel_err:.4f}, o_proj refit {n.rel_err_after:.4f}, held-out "
+                  f"{n.refine_heldout_err_before:.4f} -> {n.refine_heldout_err_after:.4f} (kept step {n.refine_kept_step})")
 
 
 if __name__ == "__main__":

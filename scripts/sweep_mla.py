@@ -17,6 +17,7 @@ from hf_csa2.data.corpus import resolve_text
 from hf_csa2.data.windows import token_windows
 from hf_csa2.metrics.perplexity import mean_nll
 from hf_csa2.surgery.mla import apply_mla, full_stack_width
+from hf_csa2.surgery.plan import MlaPlan
 from hf_csa2.io.sources import load_source
 
 
@@ -30,10 +31,6 @@ def main() -> None:
     parser.add_argument("--no-refit", action="store_true")
     parser.add_argument("--source", default="smollm2-135m")
     parser.add_argument("--shared", action="store_true", help="one rope key mixing the KV heads (n slots in total)")
-    parser.add_argument("--averaged-values", default="false",
-                        help="comma list of false/true: value rows judged under the attention-averaged input moment")
-    parser.add_argument("--drop", default="false", help="comma list of false/true: drop fast non-RoPE terms")
-    parser.add_argument("--uneven", default="false", help="comma list of false/true: per-layer ranks (same total)")
     parser.add_argument("--full-rank", action="store_true",
                         help="latent at the exact rank (ignores --budget): isolates what the RoPE split costs")
     args = parser.parse_args()
@@ -50,18 +47,13 @@ def main() -> None:
             rank = full_stack_width(src.model.config, kv, pairs, args.shared)
         for criterion in args.criteria.split(","):
             for fact in args.factorisations.split(","):
-                for averaged in [v == "true" for v in args.averaged_values.split(",")]:
-                    for drop in [v == "true" for v in args.drop.split(",")]:
-                        for uneven in [v == "true" for v in args.uneven.split(",")]:
-                            t = time.perf_counter()
-                            model = apply_mla(src.model, rank, pairs, windows=calib, rope_criterion=criterion,
-                                              factorisation=fact, refit_output=not args.no_refit,
-                                              shared_rope_key=args.shared, averaged_values=averaged,
-                                              drop_fast_terms=drop, uneven_ranks=uneven)
-                            ppl = mean_nll(model, held)["ppl"]
-                            name = (f"n={pairs} r={rank} {criterion} {fact}{' averaged-values' if averaged else ''}"
-                                    f"{' drop' if drop else ''}{' uneven' if uneven else ''}")
-                            print(f"| {name} | {ppl:.3f} | {ppl / base:.3f} | {time.perf_counter() - t:.0f} |", flush=True)
+                t = time.perf_counter()
+                plan = MlaPlan(kv_lora_rank=rank, qk_rope_head_dim=2 * pairs, rope_key="shared" if args.shared else "per_head",
+                               rope_criterion=criterion, init=fact, refit_output=not args.no_refit)
+                model, _ = apply_mla(src.model, plan, windows=calib)
+                ppl = mean_nll(model, held)["ppl"]
+                name = f"n={pairs} r={rank} {criterion} {fact}"
+                print(f"| {name} | {ppl:.3f} | {ppl / base:.3f} | {time.perf_counter() - t:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

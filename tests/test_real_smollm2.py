@@ -96,18 +96,29 @@ def test_round_trip_without_hf_csa2(smollm2, texts, converted, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mla_quarter(smollm2, texts):
+def mla_quarter_fit(smollm2, texts):
     """A 1/4-budget MLA conversion (96 cache elements per token and layer: a 32-wide shared
-    rope key + a 64-wide latent), calibrated on a small slice of text to keep the test short."""
+    rope key + a 64-wide latent), calibrated on a small slice of text to keep the test short:
+    (model, fit report)."""
     from hf_csa2.surgery.mla import apply_mla
+    from hf_csa2.surgery.plan import MlaPlan
 
-    return apply_mla(smollm2.model, 64, 16, windows=texts["calib"][:6], shared_rope_key=True)
+    return apply_mla(smollm2.model, MlaPlan(kv_lora_rank=64, qk_rope_head_dim=32, rope_key="shared"),
+                     windows=texts["calib"][:6])
+
+
+@pytest.fixture(scope="module")
+def mla_quarter(mla_quarter_fit):
+    return mla_quarter_fit[0]
 
 
 def test_mla_full_rank_reproduces_smollm2(smollm2, texts):
     from hf_csa2.surgery.mla import apply_mla, full_stack_width
+    from hf_csa2.surgery.plan import MlaPlan
 
-    model = apply_mla(smollm2.model, full_stack_width(smollm2.model.config, 3, 32), 32, factorisation="weight_svd")
+    plan = MlaPlan(kv_lora_rank=full_stack_width(smollm2.model.config, 3, 32), qk_rope_head_dim=64, rope_key="per_head",
+                   init="weight_svd")
+    model, _ = apply_mla(smollm2.model, plan)
     x = texts["heldout"][:2]
     ref = smollm2.model(x).logits
     for path in ("explicit", "absorbed"):
@@ -132,11 +143,13 @@ def test_mla_cache_holds_only_latent_and_rope_key(mla_quarter):
     assert measure_kv_elements_per_token(mla_quarter) == 30 * (64 + 32)
 
 
-def test_mla_activation_aware_beats_weight_svd_on_held_out_text(smollm2, texts, mla_quarter):
+def test_mla_activation_aware_beats_weight_svd_on_held_out_text(smollm2, texts, mla_quarter_fit):
     from hf_csa2.surgery.mla import apply_mla
+    from hf_csa2.surgery.plan import MlaPlan
 
-    plain = apply_mla(smollm2.model, 64, 16, factorisation="weight_svd", splits=mla_quarter.rope_splits,
-                      shared_rope_key=True)
+    mla_quarter, report = mla_quarter_fit
+    plain, _ = apply_mla(smollm2.model, MlaPlan(kv_lora_rank=64, qk_rope_head_dim=32, rope_key="shared", init="weight_svd"),
+                         splits=report.rope_splits)
     ppl = {name: mean_nll(m, texts["heldout"])["ppl"] for name, m in
            [("source", smollm2.model), ("aware", mla_quarter), ("plain", plain)]}
     assert ppl["source"] < ppl["aware"] < ppl["plain"], ppl

@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .linalg import augmented_moment
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a supported causal LM (``model.model.layers``)."""
@@ -35,13 +37,6 @@ def run_with_attention_hooks(model: nn.Module, windows: torch.Tensor, attach: Ca
         model.train(was_training)
         for h in handles:
             h.remove()
-
-
-def augmented_moment(hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [..., d] -> float64 [d+1, d+1] mean of x~ x~^T with x~ = [x, 1]."""
-    x = hidden.reshape(-1, hidden.shape[-1]).double()
-    x = torch.cat([x, x.new_ones(x.shape[0], 1)], dim=1)
-    return x.T @ x / x.shape[0]
 
 
 @torch.no_grad()
@@ -73,4 +68,4 @@ def attention_input_moments(model: nn.Module, windows: torch.Tensor, batch_size:
     return [s / max(c, 1) for s, c in zip(sums, counts)]
 
 
-__all__ = ["attention_input_moments", "augmented_moment", "decoder_layers", "run_with_attention_hooks"]
+__all__ = ["attention_input_moments", "decoder_layers", "run_with_attention_hooks"]

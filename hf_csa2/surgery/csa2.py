@@ -28,7 +28,9 @@ from .layerwise import (
     refit_output_projection,
     source_attention_outputs,
 )
+from .linalg import ridge_solve
 from .mla import apply_mla
+from .plan import MlaPlan, default_sources
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -101,14 +103,6 @@ def dense_layer_specs(model) -> list[dict]:
 
 
 # -- calibrated initialisation ---------------------------------------------------------------
-
-
-def ridge_solve(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
-    """argmin_W ||x W - y||^2 + lam ||W||^2 with lam = ridge * mean(diag(x^T x)); x [N, a], y [N, b] -> [a, b] (fp64)."""
-    x, y = x.double(), y.double()
-    gram = x.T @ x
-    lam = ridge * gram.diagonal().mean().clamp_min(1e-12)
-    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), x.T @ y)
 
 
 def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -296,23 +290,6 @@ def init_indexer_from_attention(indexer, source_attn, group: int) -> None:
     indexer.weights_proj.bias.fill_(source_attn.scaling)
 
 
-def default_sources(modes: list[str]) -> list[int | None]:
-    """Each reindex layer reads the nearest earlier full layer; each reuse layer the nearest
-    earlier full or reindex layer (its Top-K); full/swa layers read nothing."""
-    sources: list[int | None] = []
-    for i, mode in enumerate(modes):
-        wanted = {"reindex": ("full",), "reuse": ("full", "reindex")}.get(mode)
-        if wanted is None:
-            sources.append(None)
-            continue
-        earlier = [j for j in range(i) if modes[j] in wanted]
-        if not earlier:
-            raise ValueError(f"layer {i}: mode={mode!r} needs an earlier {' or '.join(wanted)} layer; "
-                             f"the plan's first layers are {modes[: i + 1]}")
-        sources.append(earlier[-1])
-    return sources
-
-
 @dataclass
 class Csa2FitOptions:
     """How :func:`fit_csa2_layer` initialises one CSA2 layer (see :func:`apply_csa2`)."""
@@ -381,18 +358,25 @@ def _train_indexer(indexer, src, hidden, pe, keys, opts: Csa2FitOptions) -> dict
 
 def build_csa2_skeleton(dense, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
                         windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
-                        sinks: bool | None = None, sink_tokens: int = 0, mla_options: dict | None = None) -> Csa2ForCausalLM:
+                        sinks: bool | None = None, sink_tokens: int = 0, mla_plan: MlaPlan | None = None) -> Csa2ForCausalLM:
     """The CSA2 model of ``modes`` before its readers/indexers are fitted: full layers in MLA
-    form (:func:`apply_mla` on those layers only, fitted on ``windows`` [N, T]), every other
-    layer with the dense layer's own projections. ``dense``: an hf_csa2 model with dense layers."""
+    form (:func:`apply_mla` on those layers only, fitted on ``windows`` [N, T]; ``mla_plan``: its
+    other settings, whose latent and rope key must agree with ``kv_lora_rank``,
+    ``num_rope_pairs`` and ``shared_rope_key``), every other layer with the dense layer's own
+    projections. ``dense``: an hf_csa2 model with dense layers."""
     if any(s["kind"] != "dense" for s in dense.config.attention_layers):
         raise ValueError("CSA2 surgery needs dense attention layers as input")
     if len(modes) != len(dense.config.attention_layers):
         raise ValueError(f"{len(modes)} layer modes for a model with {len(dense.config.attention_layers)} layers")
     sources = default_sources(modes) if sources is None else sources
     full_layers = [i for i, m in enumerate(modes) if m == "full"]
-    mla = apply_mla(dense, kv_lora_rank, num_rope_pairs, windows=windows, shared_rope_key=shared_rope_key,
-                    only_layers=full_layers, **(mla_options or {}))
+    geometry = dict(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=2 * num_rope_pairs,
+                    rope_key="shared" if shared_rope_key else "per_head")
+    if mla_plan is None:
+        mla_plan = MlaPlan(**geometry)
+    elif any(getattr(mla_plan, k) != v for k, v in geometry.items()):
+        raise ValueError(f"mla_plan {({k: getattr(mla_plan, k) for k in geometry})} disagrees with the arguments {geometry}")
+    mla, _ = apply_mla(dense, mla_plan, windows=windows, only_layers=full_layers)
     d = attention_head_dim(dense.config)
     hq = dense.config.num_attention_heads
     groups = {mla.config.attention_layers[i]["num_key_value_heads"] for i in full_layers}
@@ -414,14 +398,14 @@ def as_dense_csa2(model):
 def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
                windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
                sinks: bool | None = None, sink_tokens: int = 0, ridge: float = 1e-3, refit_output: bool = True,
-               mla_options: dict | None = None, indexer_warmup_steps: int = 0, calibrate_mass: bool = True,
+               mla_plan: MlaPlan | None = None, indexer_warmup_steps: int = 0, calibrate_mass: bool = True,
                refine_bias: bool = False, fit_read_path: str = "scores"):
     """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
 
     Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
-    ``kv_lora_rank`` / ``num_rope_pairs`` / ``mla_options``), training-free indexer copied
-    from the KV group with the most attention mass beyond the window. Reindex layers start
-    with their source's index query (they select like it until trained). Reindex/reuse
+    ``kv_lora_rank`` / ``num_rope_pairs`` / ``shared_rope_key`` and the other settings of
+    ``mla_plan``, the plan's ``mla`` section), training-free indexer copied from the KV group
+    with the most attention mass beyond the window. Reindex layers start with their source's index query (they select like it until trained). Reindex/reuse
     readers: least squares to the layer's own keys/values (:func:`fit_entry_reader`); then
     ``o_proj`` refit to the source layer's output. Non-full layers keep the first
     ``sink_tokens`` tokens exactly (StreamingLLM's attention sinks). All fits (:func:`fit_csa2_layer`) run layer
@@ -441,7 +425,7 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
     new = build_csa2_skeleton(dense, modes, window=window, top_k=top_k, kv_lora_rank=kv_lora_rank,
                               num_rope_pairs=num_rope_pairs, windows=windows, sources=sources,
                               shared_rope_key=shared_rope_key, sinks=sinks, sink_tokens=sink_tokens,
-                              mla_options=mla_options)
+                              mla_plan=mla_plan)
     new.config.csa2_read_path = fit_read_path
     opts = Csa2FitOptions(window=window, top_k=top_k, ridge=ridge, refit_output=refit_output,
                           indexer_warmup_steps=indexer_warmup_steps, calibrate_mass=calibrate_mass,
@@ -458,4 +442,4 @@ def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank
 
 __all__ = ["Csa2FitOptions", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",
            "csa2_layer_specs", "default_sources", "dense_layer_specs", "entry_offset_readout", "far_attention_mass", "fit_csa2_layer",
-           "fit_entry_reader", "refine_entry_bias", "init_indexer_from_attention", "ridge_solve"]
+           "fit_entry_reader", "refine_entry_bias", "init_indexer_from_attention"]

@@ -36,6 +36,24 @@ def trainable_parameters(model: torch.nn.Module, which: str = "attention") -> li
     return [p for p in model.parameters() if id(p) not in skip]
 
 
+def unshare_from(student: torch.nn.Module, teacher: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Replace each of ``params`` whose storage ``teacher`` also uses by a copy, in every
+    ``student`` module that holds it (conversions share the unchanged tensors with the source,
+    see :mod:`.rebuild`; training them in place would move the teacher too). Returns the
+    parameters to train, in order."""
+    taken = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
+    copies: dict[int, torch.nn.Parameter] = {}
+    for p in params:
+        if p.untyped_storage().data_ptr() in taken:
+            copies[id(p)] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+    if copies:
+        for module in student.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if id(p) in copies:
+                    module.register_parameter(name, copies[id(p)])
+    return [copies.get(id(p), p) for p in params]
+
+
 def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(teacher || student) in nats; logits [N, T, V] (fp32 maths)."""
     t = F.log_softmax(teacher_logits.float(), dim=-1)
@@ -58,7 +76,7 @@ def distill_to_source(student, teacher, windows: torch.Tensor, *, steps: int, lr
         raise ValueError(f"holdout={holdout}; allowed: 1..{n - 1} (there are {n} calibration windows)")
     if steps < 0 or lr <= 0 or batch < 1:
         raise ValueError(f"steps={steps}, lr={lr}, batch={batch}; allowed: steps >= 0, lr > 0, batch >= 1")
-    params = trainable_parameters(student, trainable)
+    params = unshare_from(student, teacher, trainable_parameters(student, trainable))
     started = time.perf_counter()
     train, held = windows[: n - holdout], windows[n - holdout :]
     trained = {id(p) for p in params}
@@ -111,4 +129,4 @@ def distill_to_source(student, teacher, windows: torch.Tensor, *, steps: int, lr
             "distill_kept_step": kept.step, "distill_seconds": round(time.perf_counter() - started, 1)}
 
 
-__all__ = ["TRAINABLE", "distill_to_source", "token_kl", "trainable_parameters"]
+__all__ = ["TRAINABLE", "distill_to_source", "token_kl", "trainable_parameters", "unshare_from"]

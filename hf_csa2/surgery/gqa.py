@@ -31,12 +31,15 @@ from dataclasses import dataclass
 import torch
 
 from ..model.configuration_hf_csa2 import attention_head_dim
-from .calibration import augmented_moment, decoder_layers
+from .calibration import decoder_layers
 from .layerwise import (
     calibrate_layerwise,
     refit_output_projection,
     source_attention_outputs,
 )
+from .linalg import augment as _augment
+from .linalg import augmented_moment, eigh
+from .linalg import split_augmented as _split
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -73,18 +76,6 @@ class AttentionWeights:
             if b is not None:
                 out[f"{prefix}{name}_proj.bias"] = b
         return out
-
-
-def _augment(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """[rows, d] weight + bias -> [rows, d+1] in float64 (bias as the last column)."""
-    b = torch.zeros(w.shape[0], dtype=torch.float64) if b is None else b.double()
-    return torch.cat([w.double(), b[:, None]], dim=1)
-
-
-def _split(aug: torch.Tensor, like_w: torch.Tensor, like_b: torch.Tensor | None):
-    w = aug[:, :-1].to(like_w.dtype).contiguous()
-    b = None if like_b is None else aug[:, -1].to(like_b.dtype).contiguous()
-    return w, b
 
 
 def head_groups(num_q: int, old_kv: int, new_kv: int) -> list[list[tuple[int, int]]]:
@@ -171,7 +162,7 @@ def _rope_aware_key_merge(q, k, members, old_heads, moment, new_q) -> torch.Tens
     w = energy.clamp_min(1e-12).sqrt()  # [J, F]
     y = (w[..., None] * a).permute(1, 0, 2)  # [F, J, d+1]
     cov = y @ sigma @ y.conj().transpose(-1, -2)  # [F, J, J] Hermitian
-    _, vecs = torch.linalg.eigh(cov)
+    _, vecs = eigh(cov)
     u = vecs[..., -1]  # [F, J] top eigenvector per frequency
     shared = (u.conj()[..., None] * y).sum(1)  # [F, d+1]: k'^f = sum_j conj(u_j) w_j k_j^f
     scale = (u / w.T).T  # [J, F]: k_j^f ~= c_j^f k'^f with c = u / w
@@ -194,7 +185,7 @@ def _value_pca_merge(v, o, members, old_heads, moment) -> torch.Tensor:
         blocks.append(upper @ v[h])  # [D, d+1]
     y = torch.cat(blocks)  # [J*D, d+1]
     cov = y @ moment @ y.T
-    _, vecs = torch.linalg.eigh(cov)
+    _, vecs = eigh(cov)
     basis = vecs[:, -D:]  # [J*D, D] top-D principal directions
     for idx, h in enumerate(old_heads):
         recon = torch.linalg.solve_triangular(chol_t[idx], basis[idx * D : (idx + 1) * D], upper=True)  # [D, D]

@@ -19,6 +19,7 @@ import torch
 
 from .calibration import run_with_attention_hooks
 from .held_out import BestState
+from .linalg import solve_ridge_normal
 
 
 @torch.no_grad()
@@ -72,8 +73,7 @@ def refit_output_projection(attn, hidden: torch.Tensor, attn_kwargs: dict, targe
         y = y - attn.o_proj.bias.double()
     g, c, yy = a.T @ a, a.T @ y, (y * y).sum()
     w0 = attn.o_proj.weight.double()
-    lam = ridge * g.diagonal().mean().clamp_min(1e-12) * torch.eye(g.shape[0], dtype=torch.float64)
-    w = torch.linalg.solve(g + lam, c + lam @ w0.T).T
+    w = solve_ridge_normal(g, c, ridge, toward=w0.T).T
 
     def rel_err(wt):
         return (((wt @ g @ wt.T).trace() - 2 * (wt @ c).trace() + yy) / yy).item()

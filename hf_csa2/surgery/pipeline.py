@@ -34,7 +34,7 @@ from .csa2 import apply_csa2
 from .distill import distill_to_source
 from .gqa import apply_gqa, has_qk_norm
 from .mla import apply_mla
-from .plan import ConversionPlan, PlanError
+from .plan import ConversionPlan, MlaPlan, PlanError
 from .rebuild import is_csa2, to_native
 from .sinks import add_sinks, calibrate_sinks
 
@@ -107,28 +107,13 @@ def gqa_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
 def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
     """Rewrite every layer into multi-head latent attention (see :mod:`.mla`)."""
     mla = plan.mla
-    shared = mla.rope_key == "shared"
-    kwargs = dict(windows=calib.fit, rope_criterion=mla.rope_criterion, shared_rope_key=shared,
-                  refit_output=mla.refit_output, ridge=mla.ridge)
-    new = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation=mla.init,
-                    latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
-                    averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms,
-                    uneven_ranks=mla.uneven_ranks, refine_steps=mla.refine_steps, refine_lr=mla.refine_lr, **kwargs)
-    notes: dict = {"init": mla.init, "rope_key": mla.rope_key, "rope_criterion": mla.rope_criterion}
-    if mla.uneven_ranks:
-        notes["kv_lora_ranks"] = [s["kv_lora_rank"] for s in new.config.attention_layers]
-    fits = [f for f in new.fit_notes if f]
-    if fits:
-        notes["attn_out_rel_err_before_refit"] = sum(f["rel_err"] for f in fits) / len(fits)
-        if mla.refit_output:
-            notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in fits) / len(fits)
-        if mla.refine_steps:
-            for key in ("refine_heldout_err_before", "refine_heldout_err_after"):
-                notes[key] = sum(f[key] for f in fits) / len(fits)
+    new, report = apply_mla(model, mla, windows=calib.fit)
+    notes = report.stage_notes()
     if mla.compare_weight_svd and mla.init != "weight_svd" and calib.score.shape[0]:
         # Same rope slots, plain SVD latent (no latent norm), no refit: the baseline the init must beat.
-        baseline = apply_mla(model, mla.kv_lora_rank, mla.qk_rope_head_dim // 2, factorisation="weight_svd",
-                             splits=new.rope_splits, shared_rope_key=shared)  # uniform rank: same total cache
+        svd = MlaPlan(kv_lora_rank=mla.kv_lora_rank, qk_rope_head_dim=mla.qk_rope_head_dim, rope_key=mla.rope_key,
+                      init="weight_svd")
+        baseline, _ = apply_mla(model, svd, splits=report.rope_splits)
         notes["weight_svd_calib_ppl"] = mean_nll(baseline, calib.score)["ppl"]
         del baseline
     return new, notes
@@ -149,11 +134,7 @@ def csa2_arguments(plan: ConversionPlan) -> dict:
     return dict(
         window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank, num_rope_pairs=mla.qk_rope_head_dim // 2,
         shared_rope_key=mla.rope_key == "shared", sinks=c.sinks, sink_tokens=c.sink_tokens, ridge=c.reader_ridge, refit_output=c.refit_output,
-        indexer_warmup_steps=c.indexer_warmup_steps, refine_bias=c.refine_entry_bias,
-        mla_options=dict(rope_criterion=mla.rope_criterion, factorisation=mla.init, refit_output=mla.refit_output,
-                         ridge=mla.ridge, latent_norm=mla.latent_norm, uniform_rope=mla.uniform_rope,
-                         averaged_values=mla.averaged_values, drop_fast_terms=mla.drop_fast_terms,
-                         refine_steps=mla.refine_steps, refine_lr=mla.refine_lr),
+        indexer_warmup_steps=c.indexer_warmup_steps, refine_bias=c.refine_entry_bias, mla_plan=mla,
     )
 
 

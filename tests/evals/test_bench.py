@@ -22,7 +22,10 @@ def test_bench_rows_and_kv_bytes_match_config():
         assert r["kv_elements"] == per_token * r["cached_tokens"] * 2  # batch 2
         assert r["kv_bytes"] == r["kv_elements"] * 4  # fp32
     assert rows[1]["kv_bytes_ratio"] == pytest.approx(0.5)  # 2 KV heads -> 1
-    assert rows[0]["prefill_s_ratio"] == 1.0
+    for ref, other in ((rows[0], rows[1]), (rows[2], rows[3])):  # each length against its own reference row
+        for key in ("prefill_s", "decode_ms_per_token", "kv_bytes"):
+            assert other[f"{key}_ratio"] == pytest.approx(other[key] / ref[key], rel=1e-12)
+    assert rows[3]["kv_bytes_ratio"] == pytest.approx(0.5)
     assert "| 24 | mqa |" in format_bench_table(rows)
 
 

@@ -10,8 +10,11 @@ from transformers import AutoModelForCausalLM
 
 from hf_csa2.export.deepseek_v3 import ExportError, export_problems, to_deepseek_v3
 from hf_csa2.surgery.mla import apply_mla
+from hf_csa2.surgery.plan import MlaPlan
 from hf_csa2.surgery.sinks import add_sinks
 
+# The DeepSeek-V3 layout: a shared rope key (3 slots), a normalised latent, one rope table.
+EXPORTABLE = MlaPlan(kv_lora_rank=6, qk_rope_head_dim=6, rope_key="shared", latent_norm=True, uniform_rope=True)
 
 def windows():
     return torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -23,7 +26,7 @@ def ids(batch=2, length=13):
 
 def exportable(kv_heads=2):
     src = tiny_model("llama", num_kv_heads=kv_heads)
-    return apply_mla(src, 6, 3, windows=windows(), shared_rope_key=True, latent_norm=True, uniform_rope=True)
+    return apply_mla(src, EXPORTABLE, windows=windows())[0]
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
@@ -44,16 +47,16 @@ def test_exported_model_matches_and_reloads_without_remote_code(kv_heads, tmp_pa
 
 def test_non_exportable_models_are_refused_with_every_reason():
     src = tiny_model("llama")
-    per_head = apply_mla(src, 6, 2, windows=windows())
+    per_head, _ = apply_mla(src, MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4, rope_key="per_head"), windows=windows())
     problems = export_problems(add_sinks(per_head))
     assert any("per-head rope keys" in p for p in problems)
     assert any("unnormalised latent" in p for p in problems)
     assert any("sink logits" in p for p in problems)
     with pytest.raises(ExportError, match="per-head rope keys"):
         to_deepseek_v3(per_head)
-    qwen3 = apply_mla(tiny_model("qwen3"), 6, 2, windows=windows())
+    qwen3, _ = apply_mla(tiny_model("qwen3"), MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4, rope_key="per_head"), windows=windows())
     assert any("'qwen3'" in p for p in export_problems(qwen3))
-    qwen2 = apply_mla(tiny_model("qwen2"), 6, 3, windows=windows(), shared_rope_key=True, latent_norm=True, uniform_rope=True)
+    qwen2, _ = apply_mla(tiny_model("qwen2"), EXPORTABLE, windows=windows())
     assert export_problems(qwen2) == ["query or up-projection biases (allowed: a latent bias only)"]
     assert "not an hf_csa2 model" in export_problems(src)[0]
 

@@ -17,6 +17,7 @@ from hf_csa2.model import Csa2Config, Csa2FullAttention, Csa2WindowAttention
 from hf_csa2.model.indexer import Indexer
 from hf_csa2.surgery.csa2 import assemble_csa2, csa2_layer_specs, dense_layer_specs
 from hf_csa2.surgery.mla import apply_mla
+from hf_csa2.surgery.plan import MlaPlan
 
 QK_NORM = ("qwen3", "gemma3_text")
 SLIDING = ("mistral", "gemma3_text")  # tiny sliding window 7
@@ -35,7 +36,8 @@ def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, s
     """Tiny source -> MLA (1/2-ish rank, 2 rope pairs) -> CSA2 with the given plan; indexers,
     readers and sinks randomised so that every term of every read is exercised."""
     src = tiny_model(arch, num_layers=len(modes))
-    mla = apply_mla(src, 6, 2, windows=calib(), shared_rope_key=arch not in QK_NORM)
+    rope_key = "per_head" if arch in QK_NORM else "shared"
+    mla, _ = apply_mla(src, MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4, rope_key=rope_key), windows=calib())
     specs = csa2_layer_specs(
         mla.config.attention_layers, dense_layer_specs(src), modes, sources,
         window=window, top_k=top_k, index_heads=2, index_head_dim=8, index_rope_pairs=[0, 1], sinks=sinks,

@@ -9,6 +9,7 @@ from tiny_models import ARCHS, VOCAB, tiny_model
 from hf_csa2.metrics.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
 from hf_csa2.model import Csa2Config, Csa2LatentAttention
 from hf_csa2.surgery.mla import apply_mla, full_stack_width
+from hf_csa2.surgery.plan import MlaPlan
 from hf_csa2.surgery.sinks import add_sinks
 
 QK_NORM = ("qwen3", "gemma3_text")
@@ -33,7 +34,8 @@ def logits_by_path(model, x, path):
 
 def low_rank_mla(arch, shared=False, sinks=False):
     src = tiny_model(arch)
-    model = apply_mla(src, 6, 2, windows=windows(), shared_rope_key=shared)
+    rope_key = "shared" if shared else "per_head"
+    model, _ = apply_mla(src, MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4, rope_key=rope_key), windows=windows())
     if sinks:
         model = add_sinks(model)
         g = torch.Generator().manual_seed(3)
@@ -48,7 +50,9 @@ def low_rank_mla(arch, shared=False, sinks=False):
 def test_full_rank_all_pairs_reproduces_the_source(arch, path):
     src = tiny_model(arch)
     kv = src.config.num_key_value_heads
-    model = apply_mla(src, full_stack_width(src.config, kv, D // 2), D // 2, factorisation="weight_svd")
+    plan = MlaPlan(kv_lora_rank=full_stack_width(src.config, kv, D // 2), qk_rope_head_dim=D, rope_key="per_head",
+                   init="weight_svd")
+    model, _ = apply_mla(src, plan)
     x = ids()
     assert (logits_by_path(model, x, path) - src(x).logits).abs().max() <= 1e-4
 
@@ -60,8 +64,9 @@ def test_shared_rope_key_with_every_component_reproduces_the_source(arch, path):
     src = tiny_model(arch)
     kv = src.config.num_key_value_heads
     slots = kv * D // 2
-    model = apply_mla(src, full_stack_width(src.config, kv, slots, shared=True), slots, shared_rope_key=True,
-                      windows=windows(), factorisation="weight_svd")
+    plan = MlaPlan(kv_lora_rank=full_stack_width(src.config, kv, slots, shared=True), qk_rope_head_dim=2 * slots,
+                   rope_key="shared", init="weight_svd")
+    model, _ = apply_mla(src, plan, windows=windows())
     assert model.model.layers[0].self_attn.mixed_rope
     x = ids()
     assert (logits_by_path(model, x, path) - src(x).logits).abs().max() <= 1e-4

@@ -6,6 +6,7 @@ from tiny_models import VOCAB, tiny_model
 
 from hf_csa2.surgery.mla import apply_mla
 from hf_csa2.surgery.distill import distill_to_source, token_kl, trainable_parameters
+from hf_csa2.surgery.plan import MlaPlan
 
 
 def test_token_kl_is_zero_for_equal_logits_and_positive_otherwise():
@@ -39,7 +40,7 @@ def test_distillation_moves_an_mla_conversion_toward_its_source(arch):
     gen = torch.Generator().manual_seed(1)
     fit = torch.randint(3, VOCAB, (24, 32), generator=gen)
     unseen = torch.randint(3, VOCAB, (4, 32), generator=gen)
-    model = apply_mla(src, 4, 2, windows=fit[:8], shared_rope_key=False)
+    model, _ = apply_mla(src, MlaPlan(kv_lora_rank=4, qk_rope_head_dim=4, rope_key="per_head"), windows=fit[:8])
     start = {k: v.clone() for k, v in model.state_dict().items()}
 
     def distance():
@@ -61,7 +62,7 @@ def test_distillation_moves_an_mla_conversion_toward_its_source(arch):
 def test_distillation_keeps_the_start_when_no_step_helps():
     src = tiny_model("llama")
     fit = torch.randint(3, VOCAB, (8, 24), generator=torch.Generator().manual_seed(2))
-    model = apply_mla(src, 4, 2, windows=fit, shared_rope_key=False)
+    model, _ = apply_mla(src, MlaPlan(kv_lora_rank=4, qk_rope_head_dim=4, rope_key="per_head"), windows=fit)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     notes = distill_to_source(model, src, fit, steps=5, lr=50.0, holdout=2, every=1)
     assert notes["distill_kept_step"] == 0

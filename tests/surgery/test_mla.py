@@ -1,4 +1,4 @@
-"""MLA surgery maths (seed 004 §8-§12) as properties, and the MLA stage/plan."""
+"""MLA surgery maths as properties, apply_mla and its fit report, and the MLA stage/plan."""
 
 import json
 
@@ -9,19 +9,22 @@ from hypothesis import strategies as st
 from tiny_models import VOCAB, save_tiny_source, tiny_model
 
 from hf_csa2.surgery.mla import (
+    MlaLayerFit,
     RopeSplit,
-    refine_for_averaged_values,
     apply_mla,
     choose_rope_split,
     factorise_kv,
     head_mixing,
     rope_component_scores,
-    score_rope_slots,
-    split_from_scores,
     split_key_rows,
 )
 from hf_csa2.surgery.pipeline import convert
-from hf_csa2.surgery.plan import ConversionPlan, PlanError
+from hf_csa2.surgery.plan import ConversionPlan, MlaPlan, PlanError
+
+
+def per_head(kv_lora_rank, num_rope_pairs, **fields):
+    """The plan section of a per-head rope key with ``num_rope_pairs`` pairs per KV head."""
+    return MlaPlan(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=2 * num_rope_pairs, rope_key="per_head", **fields)
 
 
 def random_psd(n, gen):
@@ -51,28 +54,6 @@ def test_factorisation_is_exact_at_full_rank_and_optimal_for_its_weighting(m, d,
     y = weight @ rows @ torch.linalg.cholesky(moment)
     tail = torch.linalg.svdvals(y)[r:].pow(2).sum()
     assert torch.isclose(weighted_error(b @ a), tail, rtol=1e-6, atol=1e-9)
-
-
-@settings(max_examples=20, deadline=None)
-@given(m=st.integers(4, 10), d=st.integers(3, 8), seed=st.integers(0, 10_000))
-def test_refinement_for_averaged_values_never_worsens_its_objective(m, d, seed):
-    gen = torch.Generator().manual_seed(seed)
-    rows = torch.randn(m, d + 1, generator=gen, dtype=torch.float64)
-    keys = torch.arange(m) < m // 2
-    moment = random_psd(d + 1, gen) + 1e-2 * torch.eye(d + 1, dtype=torch.float64)
-    value_moment = 0.3 * random_psd(d + 1, gen) + 1e-2 * torch.eye(d + 1, dtype=torch.float64)
-    weight = random_psd(m, gen) + 0.1 * torch.eye(m, dtype=torch.float64)
-    w = weight.T @ weight
-
-    def objective(a, b):
-        diff = rows - b @ a
-        return sum((diff[mask].T @ w[mask][:, mask] @ diff[mask] @ sig).trace()
-                   for mask, sig in ((keys, moment), (~keys, value_moment)))
-
-    r = max(1, min(m, d + 1) // 2)
-    a0, b0 = factorise_kv(rows, r, moment, weight)
-    a, b = refine_for_averaged_values(rows, a0, keys, moment, value_moment, weight, ridge=0.0)
-    assert objective(a, b) <= objective(a0, b0) * (1 + 1e-9) + 1e-12
 
 
 @settings(max_examples=20, deadline=None)
@@ -126,37 +107,6 @@ def test_perturbation_scores_are_zero_exactly_when_a_component_carries_nothing()
     assert split.pairs == [[0], [0]]
 
 
-def test_drop_scores_and_dropped_cells_are_removed_from_the_keys():
-    gen = torch.Generator().manual_seed(0)
-    q = torch.complex(torch.randn(2, 4, 32, 3, generator=gen), torch.randn(2, 4, 32, 3, generator=gen))
-    k = torch.complex(torch.randn(2, 2, 32, 3, generator=gen), torch.randn(2, 2, 32, 3, generator=gen))
-    inv_freq = torch.tensor([2.5, 1.3, 0.0])  # two fast frequencies, one that never rotates
-    nope, drop = rope_component_scores(q, k, inv_freq, 0.5, drop_scores=True)
-    assert (drop > 0).all() and (nope[:, 2] == 0).all()
-    # A term that rotates fast is ~uncorrelated with its unrotated copy: removing it is cheaper.
-    assert (drop[:, :2] < nope[:, :2]).all()
-    for shared in (False, True):
-        scored = score_rope_slots(q, k, inv_freq, 0.5, shared, drop=True)
-        split = split_from_scores(scored, 1, shared)
-        kept = set(split.slots) if split.slots else {(f, j) for j, fs in enumerate(split.pairs) for f in fs}
-        assert split.dropped and all(f != 2 for f, _ in split.dropped) and not kept & set(split.dropped)
-    k_aug = torch.randn(2, 6, 4, generator=gen, dtype=torch.float64)
-    per_head = RopeSplit([[0], [0]], dropped=[(1, 0)])
-    _, free, _ = split_key_rows(k_aug, per_head)
-    assert free[0, [1, 4]].abs().max() == 0 and torch.equal(free[1], k_aug[1]) and torch.equal(free[0, 0], k_aug[0, 0])
-
-
-def test_uneven_ranks_keep_the_total_cache():
-    from hf_csa2.metrics.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
-
-    src = tiny_model("llama")
-    fit = torch.randint(3, VOCAB, (4, 48), generator=torch.Generator().manual_seed(2))
-    uneven = apply_mla(src, 8, 2, windows=fit, uneven_ranks=True)
-    ranks = [s["kv_lora_rank"] for s in uneven.config.attention_layers]
-    assert sum(ranks) == 16 and len(set(ranks)) > 1 and min(ranks) >= 2
-    assert measure_kv_elements_per_token(uneven) == config_kv_elements_per_token(uneven.config) == 16 + 2 * 2 * 2 * 2
-
-
 def test_activation_aware_latent_is_closer_to_the_source_than_weight_svd():
     """On a tiny random model ppl means little; the logits' distance to the source is what the
     init optimises (same rope slots, no o_proj refit). The SmolLM2 ppl comparison is in
@@ -167,8 +117,8 @@ def test_activation_aware_latent_is_closer_to_the_source_than_weight_svd():
     def distance(model):
         return (model(fit).logits - src(fit).logits).pow(2).mean().item()
 
-    aware = apply_mla(src, 4, 2, windows=fit, refit_output=False)
-    plain = apply_mla(src, 4, 2, windows=fit, factorisation="weight_svd", splits=aware.rope_splits)
+    aware, report = apply_mla(src, per_head(4, 2, refit_output=False), windows=fit)
+    plain, _ = apply_mla(src, per_head(4, 2, init="weight_svd"), windows=fit, splits=report.rope_splits)
     assert distance(aware) < distance(plain)
 
 
@@ -182,13 +132,14 @@ def test_refinement_lowers_held_out_layer_error_and_never_raises_it():
     gen = torch.Generator().manual_seed(2)
     fit = torch.randint(3, VOCAB, (40, 48), generator=gen)
     unseen = torch.randint(3, VOCAB, (4, 48), generator=gen)
-    plain = apply_mla(src, 4, 2, windows=fit)
-    refined = apply_mla(src, 4, 2, windows=fit, splits=plain.rope_splits, refine_steps=100, refine_lr=1e-3)
-    before = sum(n["refine_heldout_err_before"] for n in refined.fit_notes)
-    after = sum(n["refine_heldout_err_after"] for n in refined.fit_notes)
-    assert after < before, refined.fit_notes  # strictly: the keep rule alone only gives <=
-    assert refined.fit_notes[0]["refine_kept_step"] > 0
-    assert refined.fit_notes[0]["refine_heldout_err_after"] < refined.fit_notes[0]["refine_heldout_err_before"]
+    plain, plain_report = apply_mla(src, per_head(4, 2), windows=fit)
+    refined, report = apply_mla(src, per_head(4, 2, refine_steps=100, refine_lr=1e-3), windows=fit,
+                                splits=plain_report.rope_splits)
+    before = sum(n.refine_heldout_err_before for n in report.layers)
+    after = sum(n.refine_heldout_err_after for n in report.layers)
+    assert after < before, report.layers  # strictly: the keep rule alone only gives <=
+    assert report.layers[0].refine_kept_step > 0
+    assert report.layers[0].refine_heldout_err_after < report.layers[0].refine_heldout_err_before
 
     def distance(model):
         return (model(unseen).logits - src(unseen).logits).pow(2).mean().item()
@@ -200,14 +151,15 @@ def test_refinement_lowers_held_out_layer_error_and_never_raises_it():
 
 
 def test_refinement_keeps_the_start_when_no_step_helps():
-    """A learning rate so large that every step hurts: the start state comes back exactly."""
+    """A learning rate so large (the plan's maximum, 1.0) that every step hurts: the start state comes back exactly."""
     src = tiny_model("llama")
     fit = torch.randint(3, VOCAB, (6, 32), generator=torch.Generator().manual_seed(3))
-    plain = apply_mla(src, 4, 2, windows=fit)
-    wild = apply_mla(src, 4, 2, windows=fit, splits=plain.rope_splits, refine_steps=10, refine_lr=10.0)
-    for notes in wild.fit_notes:
-        assert notes["refine_kept_step"] == 0
-        assert notes["refine_heldout_err_after"] == notes["refine_heldout_err_before"]
+    plain, plain_report = apply_mla(src, per_head(4, 2), windows=fit)
+    wild, report = apply_mla(src, per_head(4, 2, refine_steps=10, refine_lr=1.0), windows=fit,
+                             splits=plain_report.rope_splits)
+    for fit_record in report.layers:
+        assert fit_record.refine_kept_step == 0
+        assert fit_record.refine_heldout_err_after == fit_record.refine_heldout_err_before
     for a, b in zip(plain.parameters(), wild.parameters()):
         assert torch.equal(a, b)
 
@@ -219,6 +171,40 @@ def test_refinement_needs_held_out_windows():
     hidden = torch.randn(1, 8, attn.q_proj.in_features)
     with pytest.raises(ValueError, match="holdout=2; allowed: 1..0"):
         refine_layer_output(attn, hidden, {}, hidden, list(attn.parameters()))
+
+
+def test_apply_mla_checks_the_plan_against_the_model_before_any_work():
+    llama, qwen3 = tiny_model("llama"), tiny_model("qwen3")  # 2 KV heads of width 12
+    with pytest.raises(PlanError, match="kv_lora_rank=25 exceeds 24"):
+        apply_mla(llama, per_head(25, 6))
+    with pytest.raises(PlanError, match="qk_rope_head_dim=14; allowed: 0..12"):
+        apply_mla(llama, per_head(8, 7))
+    with pytest.raises(PlanError, match=r"rope_key='shared' with 2 KV heads needs a source without QK-norm \(qwen3"):
+        apply_mla(qwen3, MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4))
+    with pytest.raises(ValueError, match="needs calibration windows"):
+        apply_mla(llama, per_head(8, 2))
+    with pytest.raises(TypeError, match="takes an MlaPlan"):
+        apply_mla(llama, {"kv_lora_rank": 8, "qk_rope_head_dim": 4})
+
+
+def test_the_fit_report_holds_typed_layer_fits_and_the_stage_notes():
+    src = tiny_model("llama")
+    fit = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(4))
+    plan = MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4)
+    model, report = apply_mla(src, plan, windows=fit, only_layers=[1])
+    assert report.plan is plan and len(report.rope_splits) == 2 and report.rope_splits[1].slots is not None
+    assert report.layers[0] is None and isinstance(report.layers[1], MlaLayerFit)
+    layer = report.layers[1]
+    assert layer.balance in (0.25, 0.5, 1.0, 2.0, 4.0) and layer.rel_err_after <= layer.rel_err_before + 1e-9
+    assert layer.refine_kept_step is None and report.fitted() == [layer]
+    assert not hasattr(model, "fit_notes") and not hasattr(model, "rope_splits")
+    assert [s["kind"] for s in model.config.attention_layers] == ["dense", "mla"]
+    assert report.stage_notes() == {"init": "activation_aware", "rope_key": "shared", "rope_criterion": "perturbation",
+                                    "attn_out_rel_err_before_refit": layer.rel_err,
+                                    "attn_out_rel_err_after_refit": layer.rel_err_after}
+    _, svd = apply_mla(src, MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4, init="weight_svd"), splits=report.rope_splits)
+    assert svd.layers == [None, None] and svd.rope_splits is report.rope_splits
+    assert svd.stage_notes() == {"init": "weight_svd", "rope_key": "shared", "rope_criterion": "perturbation"}
 
 
 TEXT = " ".join(f"Record {i}: the loader reads field {i * 7 % 13} into slot {i * 3 % 11}." for i in range(400))

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_csa2.surgery.plan import ConversionPlan, PlanError
+from hf_csa2.surgery.plan import MLA_REMOVED_FIELDS, ConversionPlan, MlaPlan, PlanError
 
 
 def test_yaml_round_trip(tmp_path):
@@ -61,3 +61,75 @@ def test_presets_parse():
     assert presets, "conversion/ must hold presets"
     for preset in presets:
         ConversionPlan.from_yaml(preset)
+
+
+# hf_csa2_plan.yaml as 0.1 wrote it next to a checkpoint (every field, the removed ones false).
+PLAN_0_1 = """\
+gqa: null
+mla:
+  kv_lora_rank: 64
+  qk_rope_head_dim: 32
+  rope_key: shared
+  rope_criterion: perturbation
+  init: activation_aware
+  latent_norm: false
+  uniform_rope: false
+  averaged_values: false
+  drop_fast_terms: false
+  uneven_ranks: false
+  compare_weight_svd: true
+  refit_output: true
+  ridge: 0.3
+  refine_steps: 100
+  refine_lr: 0.0003
+sinks: null
+csa2: null
+distill: null
+calibration:
+  text: python-docs:calib
+  num_tokens: 8192
+  seq_len: 512
+  eval_windows: 4
+dtype: float32
+context: 8192
+"""
+
+
+def test_plans_saved_before_0_2_load_and_drop_the_removed_mla_fields(tmp_path):
+    path = tmp_path / "hf_csa2_plan.yaml"
+    path.write_text(PLAN_0_1)
+    plan = ConversionPlan.from_yaml(path)
+    assert plan.mla == MlaPlan(kv_lora_rank=64, qk_rope_head_dim=32, refine_steps=100, refine_lr=3e-4)
+    assert not set(MLA_REMOVED_FIELDS) & set(plan.to_dict()["mla"])
+    path.write_text(plan.to_yaml())
+    assert ConversionPlan.from_yaml(path) == plan
+    assert MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4, uneven_ranks=False) == MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4)
+
+
+@pytest.mark.parametrize("name, figure", [("averaged_values", "2.634"), ("drop_fast_terms", "2.538"),
+                                          ("uneven_ranks", "3.089")])
+def test_a_removed_mla_field_set_true_is_refused_with_the_reason(tmp_path, name, figure):
+    path = tmp_path / "hf_csa2_plan.yaml"
+    path.write_text(PLAN_0_1.replace(f"{name}: false", f"{name}: true"))
+    with pytest.raises(PlanError) as err:
+        ConversionPlan.from_yaml(path)
+    message = str(err.value)
+    assert message.startswith(f"mla.{name}=true: removed in 0.2 (") and figure in message, message
+    assert "allowed: false" in message and "\n" not in message
+    with pytest.raises(PlanError, match=f"mla.{name}='yes': removed in 0.2"):
+        ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4, name: "yes"}})
+
+
+@pytest.mark.parametrize(
+    "mla, message",
+    [
+        ({"qk_rope_head_dim": 3}, "mla.qk_rope_head_dim=3; allowed: an even number"),
+        ({"init": "weight_svd", "refine_steps": 5}, "mla.refine_steps needs init: activation_aware"),
+        ({"init": "weight_svd", "latent_norm": True}, "mla.latent_norm needs init: activation_aware"),
+    ],
+)
+def test_the_mla_section_checks_its_own_fields_together(mla, message):
+    with pytest.raises(PlanError, match=message):
+        ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4, **mla}})
+    with pytest.raises(ValueError, match=message):  # on its own too (pydantic's ValidationError is a ValueError)
+        MlaPlan(**{"kv_lora_rank": 8, "qk_rope_head_dim": 4, **mla})
