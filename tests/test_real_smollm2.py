@@ -127,6 +127,7 @@ def test_mla_full_rank_reproduces_smollm2(smollm2, texts):
         torch.testing.assert_close(model(x).logits, ref, atol=1e-4, rtol=1e-5, msg=lambda m: f"{path}: {m}")
 
 
+@pytest.mark.slow
 def test_mla_absorbed_equals_explicit_and_generates_identically(mla_quarter, texts):
     x = texts["heldout"][:2]
     logits, gens = {}, {}
@@ -174,6 +175,7 @@ def test_csa2_full_layers_selecting_everything_equal_the_mla_model(mla_quarter, 
     torch.testing.assert_close(model(x).logits, mla_quarter(x).logits, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_csa2_prefill_chunked_prefill_and_decode_agree_at_2k_tokens(smollm2, mla_quarter):
     """Chunked prefill + decode reproduce one forward over 2K tokens when they make the same
     Top-K picks. Hard selection flips on near-ties when fp32 rounding differs between the

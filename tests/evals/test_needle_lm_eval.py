@@ -30,6 +30,7 @@ def test_lm_eval_validate_passes_on_every_task_yaml():
     assert proc.returncode == 0 and "valid" in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_stock_lm_eval_matches_hf_csa2_eval_needle(tmp_path):
     model = save_tiny_source("llama", tmp_path / "model", max_position_embeddings=4096)  # no truncation in HFLM
     tok = tiny_tokenizer()

@@ -61,6 +61,7 @@ def test_non_exportable_models_are_refused_with_every_reason():
     assert "not an hf_csa2 model" in export_problems(src)[0]
 
 
+@pytest.mark.slow
 def test_cli_export_and_refusal(tmp_path):
     model = exportable()
     model.save_pretrained(tmp_path / "mla")

@@ -313,6 +313,7 @@ def test_smollm2_save_and_reload(smollm2, tmp_path):
     assert again.tokenizer.pad_token == smollm2.tokenizer.pad_token
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_smollm2_rebuild_of_quantized_load_matches(smollm2):
     # The fallback path: transformers' default GGUF load keeps a GgufConfig (unsaveable);

@@ -135,6 +135,7 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "hf_csa2.cli", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_clear_line(tmp_path, text_file):
     save_tiny_source("llama", tmp_path / "src")
     cases = [
@@ -229,6 +230,7 @@ def test_run_stages_stops_before_the_named_stage():
     assert all(s["num_key_value_heads"] == 1 and s["sinks"] for s in model.config.attention_layers)
 
 
+@pytest.mark.slow
 def test_distill_command_continues_a_converted_checkpoint(tmp_path, text_file):
     """`hf-csa2 distill` on a converted folder: uses the folder's plan for the windows, writes a
     new folder with the stage appended to the report, and never touches the converted folder."""
