@@ -1,6 +1,6 @@
 """The ``hf-csa2`` command line: one tool, subcommands.
 
-    hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] --out DIR
+    hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] [--set S.F=V] --out DIR
     hf-csa2 distill SOURCE CONVERTED --out DIR [--steps N] [--lr X] [--trainable attention|all]
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
@@ -60,13 +60,12 @@ from .model.configuration_hf_csa2 import attention_head_dim
 from .surgery.pipeline import (
     conversion_inputs,
     convert,
-    csa2_arguments,
     distill_checkpoint,
     format_report_table,
     prepare_source,
     run_stages,
 )
-from .surgery.plan import DISTILL_TRAINABLE, GQA_INITS, ConversionPlan, PlanError
+from .surgery.plan import ConversionPlan, PlanError, plan_fields, set_fields
 from .surgery.plan_search import (
     SEARCH_OTHER_MODES,
     format_curve,
@@ -114,6 +113,52 @@ def _limit(text: str) -> float:
     return value
 
 
+class _PlanFlags:
+    """Flags generated from plan fields (:func:`~hf_csa2.surgery.plan.plan_fields`): one per
+    field, named after it (``--num-tokens`` for ``num_tokens``, with ``prefix``), its
+    description as help, its literals as choices; each value is checked against the field
+    while parsing. ``aliases``: older spellings kept working ({field: flag})."""
+
+    def __init__(self, parser: argparse.ArgumentParser, section: str, *, prefix: str = "",
+                 aliases: dict[str, str] | None = None):
+        self.dests: dict[str, str] = {}
+        for f in plan_fields(section):
+            flags = [f"--{prefix}{f.name.replace('_', '-')}"]
+            if aliases and f.name in aliases:
+                flags.insert(0, aliases[f.name])
+            dest = f"{section}__{f.name}"
+            default = f"; default {f.default}" if f.default is not None else ""
+            kwargs = dict(dest=dest, default=None, help=f"{f.description} (plan field {f.path}{default})")
+            if f.choices is not None:
+                kwargs["choices"] = f.choices
+            elif f.base is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = _field_value(f)
+                kwargs["metavar"] = f.name.upper()
+            parser.add_argument(*flags, **kwargs)
+            self.dests[f.name] = dest
+
+    def values(self, args) -> dict:
+        """{field: value} of the flags given."""
+        return {name: getattr(args, dest) for name, dest in self.dests.items() if getattr(args, dest) is not None}
+
+
+def _field_value(f):
+    def parse(text: str):
+        try:
+            value = f.base(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}; allowed: {f.allowed}") from None
+        try:
+            return f.validate(value)
+        except PlanError:
+            raise argparse.ArgumentTypeError(f"{text}; allowed: {f.allowed}") from None
+
+    parse.__name__ = f.base.__name__  # argparse names the type in its messages
+    return parse
+
+
 def _models(names: list[str]) -> list[tuple[str, Path]]:
     """Every model argument resolved (a missing one fails before any is loaded)."""
     return [("model", resolve_source(name)[1]) for name in names]
@@ -124,26 +169,23 @@ def _load(name: str, args):
 
 
 def _convert(args) -> int:
-    if args.plan and (args.to or args.kv_heads is not None):
-        raise PlanError("give either --plan or --to/--kv-heads, not both")
+    gqa = args.gqa_flags.values(args)
+    if args.plan and (args.to or gqa):
+        raise PlanError("give either --plan or --to gqa with its flags (--kv-heads ...), not both")
     if args.plan:
         data = ConversionPlan.from_yaml(args.plan).to_dict()
         if args.sinks and data.get("sinks") is None:
             data["sinks"] = {}
     else:
-        if args.to is None and not args.sinks:
-            raise PlanError("nothing to do: give --plan YAML, --to gqa --kv-heads N, or --sinks")
-        if args.to == "gqa" and args.kv_heads is None:
+        if args.to is None and gqa:
+            raise PlanError("--kv-heads/--gqa-* flags need --to gqa")
+        if args.to is None and not args.sinks and not args.set:
+            raise PlanError("nothing to do: give --plan YAML, --to gqa --kv-heads N, --sinks, or --set SECTION.FIELD=VALUE")
+        if args.to == "gqa" and "num_key_value_heads" not in gqa:
             raise PlanError("--to gqa needs --kv-heads N (N must divide the number of query heads)")
-        data = {"gqa": {"num_key_value_heads": args.kv_heads, "init": args.init} if args.to == "gqa" else None,
-                "sinks": {} if args.sinks else None}
-    calibration = dict(data.get("calibration") or {})
-    if args.calib_text:
-        calibration["text"] = args.calib_text
-    if args.calib_tokens:
-        calibration["num_tokens"] = args.calib_tokens
-    data["calibration"] = calibration
-    plan = ConversionPlan.from_dict(data)
+        data = {"gqa": gqa if args.to == "gqa" else None, "sinks": {} if args.sinks else None}
+    data["calibration"] = {**(data.get("calibration") or {}), **args.calibration_flags.values(args)}
+    plan = ConversionPlan.from_dict(set_fields(data, args.set or []))
     result = convert(args.source, plan, out_dir=args.out, overwrite=args.overwrite, log=_log, plan_path=args.plan,
                      trust_remote_code=args.trust_remote_code, revision=args.revision, offline=args.offline or None)
     print(format_report_table(result.report))
@@ -151,9 +193,7 @@ def _convert(args) -> int:
 
 
 def _distill(args) -> int:
-    fields = ("steps", "lr", "batch", "num_tokens", "holdout", "every", "trainable")
-    overrides = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
-    result = distill_checkpoint(args.source, args.converted, out_dir=args.out, overrides=overrides,
+    result = distill_checkpoint(args.source, args.converted, out_dir=args.out, overrides=args.distill_flags.values(args),
                                 overwrite=args.overwrite, log=_log, trust_remote_code=args.trust_remote_code)
     print(format_report_table(result.report))
     return 0
@@ -371,7 +411,7 @@ def _plan(args) -> int:
     prepared = prepare_source(args.source, base, _log, trust_remote_code=args.trust_remote_code)
     # the search starts from what the csa2 stage of `convert` would get (after gqa / sinks)
     model = run_stages(prepared.model, base, prepared.calib, before="csa2")
-    result = search_plan(model, prepared.calib.fit, prepared.calib.score, csa2_arguments(base),
+    result = search_plan(model, prepared.calib.fit, prepared.calib.score, base.csa2, base.mla,
                          kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
                          part_windows=args.part_windows, swa_pass=args.swa_pass, log=_log)
     table = format_curve(result)
@@ -424,12 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offline", action="store_true",
                    help="use the local Hugging Face cache only (as HF_HUB_OFFLINE=1 does); a Hub model ID is "
                         "otherwise downloaded like from_pretrained does: configs, safetensors, tokenizer")
-    p.add_argument("--to", choices=["gqa"], help="shortcut: the surgery target")
-    p.add_argument("--kv-heads", type=_positive_int, help="with --to gqa: KV heads per layer (1 = MQA); must divide the query heads")
-    p.add_argument("--init", choices=GQA_INITS, default="calibrated", help="with --to gqa: how merged KV heads are initialised")
+    p.add_argument("--to", choices=["gqa"], help="shortcut: the surgery target (with the --gqa-* flags below)")
+    p.set_defaults(gqa_flags=_PlanFlags(p, "gqa", prefix="gqa-",
+                                        aliases={"num_key_value_heads": "--kv-heads", "init": "--init"}))
     p.add_argument("--sinks", action="store_true", help="add per-head learnable sink logits (output unchanged at init)")
-    p.add_argument("--calib-text", help="calibration text: file, folder, or python-docs:calib (default)")
-    p.add_argument("--calib-tokens", type=_positive_int, help="calibration tokens (default from the plan)")
+    p.set_defaults(calibration_flags=_PlanFlags(p, "calibration", prefix="calib-", aliases={"num_tokens": "--calib-tokens"}))
+    p.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
+                   help="set any plan field (VALUE read as YAML), after --plan and the flags above; e.g. "
+                        "--set context=4096 --set csa2.top_k=128; repeatable (see docs/plans.md)")
     p.add_argument("--out", required=True, help="output folder (HF checkpoint); never an input or a folder holding one")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
     _trust_flag(p)
@@ -438,13 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="(more) distillation of a converted checkpoint toward its source")
     p.add_argument("source", help="the source the checkpoint was converted from (the teacher)")
     p.add_argument("converted", help="a folder written by hf-csa2 convert (its plan gives the calibration windows)")
-    p.add_argument("--steps", type=_positive_int, help="Adam steps (default: the plan's distill section, else 200)")
-    p.add_argument("--lr", type=_positive_number)
-    p.add_argument("--batch", type=_positive_int, help="windows per step")
-    p.add_argument("--num-tokens", type=_positive_int, help="calibration tokens to distill on")
-    p.add_argument("--holdout", type=_positive_int, help="windows never trained on that pick the kept state")
-    p.add_argument("--every", type=_positive_int, help="held-out check every N steps")
-    p.add_argument("--trainable", choices=DISTILL_TRAINABLE)
+    # defaults: the checkpoint's own plan (its distill section), else the field defaults shown
+    p.set_defaults(distill_flags=_PlanFlags(p, "distill"))
     p.add_argument("--out", required=True, help="output folder (the converted folder is never written)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
     _trust_flag(p)

@@ -25,6 +25,7 @@ from tiny_models import VOCAB, tiny_model, tiny_tokenizer  # noqa: E402
 
 from hf_csa2.io.checkpoint import save_checkpoint  # noqa: E402
 from hf_csa2.surgery.gqa import apply_gqa  # noqa: E402
+from hf_csa2.surgery.plan import GqaPlan  # noqa: E402
 from hf_csa2.surgery.mla import apply_mla  # noqa: E402
 from hf_csa2.surgery.plan import MlaPlan  # noqa: E402
 from hf_csa2.surgery.sinks import add_sinks  # noqa: E402
@@ -44,7 +45,7 @@ def active_sinks(model):
 
 def models():
     src = tiny_model("llama")
-    yield "dense-gqa-sinks", active_sinks(add_sinks(apply_gqa(src, 1, "mean")))
+    yield "dense-gqa-sinks", active_sinks(add_sinks(apply_gqa(src, GqaPlan(num_key_value_heads=1, init="mean"))[0]))
     gemma = tiny_model("gemma3_text")
     calib = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(1))
     yield "mla-gemma3", apply_mla(gemma, MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4, rope_key="per_head"), windows=calib)[0]

@@ -12,6 +12,7 @@ from hf_csa2.data.corpus import resolve_text
 from hf_csa2.data.windows import token_windows
 from hf_csa2.metrics.perplexity import mean_nll
 from hf_csa2.surgery.gqa import apply_gqa
+from hf_csa2.surgery.plan import GqaPlan
 from hf_csa2.io.sources import load_source
 
 
@@ -25,9 +26,10 @@ def main() -> None:
     held = token_windows(src.tokenizer, resolve_text("python-docs:heldout"), 512, args.windows)
     base = mean_nll(src.model, held)["ppl"]
     rows = [("original", base)]
-    rows.append(("calibrated, no refit", mean_nll(apply_gqa(src.model, 1, "calibrated", calib, refit_output=False), held)["ppl"]))
+    no_refit, _ = apply_gqa(src.model, GqaPlan(num_key_value_heads=1, refit_output=False), windows=calib)
+    rows.append(("calibrated, no refit", mean_nll(no_refit, held)["ppl"]))
     for ridge in [float(r) for r in args.ridges.split(",")]:
-        model = apply_gqa(src.model, 1, "calibrated", calib, ridge=ridge)
+        model, _ = apply_gqa(src.model, GqaPlan(num_key_value_heads=1, ridge=ridge), windows=calib)
         rows.append((f"calibrated, refit ridge {ridge:g}", mean_nll(model, held)["ppl"]))
     print(f"| variant | held-out ppl ({args.windows} x 512) | ratio |\n|---|---:|---:|")
     for name, ppl in rows:

@@ -12,6 +12,7 @@ from hf_csa2.metrics.kv_cache import measure_kv_elements_per_token
 from hf_csa2.data.windows import token_windows
 from hf_csa2.metrics.perplexity import mean_nll
 from hf_csa2.surgery.gqa import apply_gqa
+from hf_csa2.surgery.plan import GqaPlan
 from hf_csa2.surgery.sinks import add_sinks, calibrate_sinks
 
 pytestmark = pytest.mark.real
@@ -32,7 +33,7 @@ def texts(smollm2):
 @pytest.fixture(scope="module")
 def converted(smollm2, texts):
     """MQA (calibrated) + calibrated sinks, the full feature set of the Foundation issue."""
-    mqa = apply_gqa(smollm2.model, 1, "calibrated", texts["calib"])
+    mqa = apply_gqa(smollm2.model, GqaPlan(num_key_value_heads=1), windows=texts["calib"])[0]
     model = add_sinks(mqa)
     calibrate_sinks(model, texts["calib"][:2])
     return {"mqa": mqa, "model": model}
@@ -46,7 +47,7 @@ def test_sinks_alone_keep_the_logits(smollm2, texts):
 
 
 def test_calibrated_mqa_beats_mean_on_held_out_text(smollm2, texts, converted):
-    mean = apply_gqa(smollm2.model, 1, "mean")
+    mean = apply_gqa(smollm2.model, GqaPlan(num_key_value_heads=1, init="mean"))[0]
     calibrated = converted["mqa"]
     ppl = {name: mean_nll(m, texts["heldout"])["ppl"] for name, m in
            [("source", smollm2.model), ("mean", mean), ("calibrated", calibrated)]}

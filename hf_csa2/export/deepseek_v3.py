@@ -32,7 +32,7 @@ from ..errors import UserError
 from ..io.checkpoint import save_checkpoint
 from ..io.output import OUTPUT_MARKER, check_output_dir
 from ..io.sources import load_source, resolve_source
-from ..model import Csa2ForCausalLM, Csa2LatentAttention
+from ..model import Csa2ForCausalLM, LatentAttention
 
 EXPORT_FORMATS = ("deepseek_v3",)
 EXPORTABLE_BASES = ("llama", "mistral", "qwen2")
@@ -84,7 +84,7 @@ def export_problems(model) -> list[str]:
 def deepseek_v3_config(model) -> DeepseekV3Config:
     """The DeepSeek-V3 config equivalent to an exportable hf_csa2 MLA model."""
     cfg = model.config
-    attn: Csa2LatentAttention = model.model.layers[0].self_attn
+    attn: LatentAttention = model.model.layers[0].self_attn
     rotary = model.model.rotary_emb
     inv_freq = rotary.inv_freq.double()
     pairs = cfg.attention_layers[0]["rope_pairs"][0]
@@ -115,7 +115,7 @@ def deepseek_v3_config(model) -> DeepseekV3Config:
 
 
 @torch.no_grad()
-def _query_rows(attn: Csa2LatentAttention, scale: float) -> torch.Tensor:
+def _query_rows(attn: LatentAttention, scale: float) -> torch.Tensor:
     """DeepSeek-V3 ``q_proj`` weight [HQ * (D_nope + 2n), hidden]: per head its position-free
     rows then its rope rows (mixed-key coefficients folded in), times ``scale``."""
     d, hq = attn.head_dim, attn.num_heads
@@ -145,7 +145,7 @@ def to_deepseek_v3(model) -> DeepseekV3ForCausalLM:
     out = DeepseekV3ForCausalLM(config).to(model.dtype).eval()
     state = {k: v for k, v in model.state_dict().items() if ".self_attn." not in k}
     for i, layer in enumerate(model.model.layers):
-        attn: Csa2LatentAttention = layer.self_attn
+        attn: LatentAttention = layer.self_attn
         prefix = f"model.layers.{i}.self_attn."
         scale = attn.scaling / (attn.nope_width + attn.rope_width) ** -0.5
         up = attn.kv_b_proj.weight.view(attn.num_key_value_heads, -1, attn.kv_lora_rank)[attn.kv_of_query]

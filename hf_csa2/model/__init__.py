@@ -3,13 +3,13 @@
 from .configuration_hf_csa2 import SUPPORTED_BASE_MODEL_TYPES, Csa2Config
 from .modeling_hf_csa2 import (
     SINK_OFF,
-    Csa2Attention,
-    Csa2AttentionBase,
+    DenseSinkAttention,
+    AttentionBase,
     Csa2ForCausalLM,
     Csa2FullAttention,
-    Csa2LatentAttention,
+    LatentAttention,
     Csa2PreTrainedModel,
-    Csa2WindowAttention,
+    Csa2ReaderAttention,
 )
 
-__all__ = ["Csa2Attention", "Csa2AttentionBase", "Csa2FullAttention", "Csa2LatentAttention", "Csa2WindowAttention", "Csa2Config", "Csa2ForCausalLM", "Csa2PreTrainedModel", "SINK_OFF", "SUPPORTED_BASE_MODEL_TYPES"]
+__all__ = ["DenseSinkAttention", "AttentionBase", "Csa2FullAttention", "LatentAttention", "Csa2ReaderAttention", "Csa2Config", "Csa2ForCausalLM", "Csa2PreTrainedModel", "SINK_OFF", "SUPPORTED_BASE_MODEL_TYPES"]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .layer_specs import AttentionSpec
 from .sink_attention import eager_sink_attention, sdpa_sink_attention
 
 # A sink this far below any row's logsumexp contributes exp(-1e4) == 0 in fp32: "no sink".
@@ -28,16 +29,23 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-class Csa2AttentionBase(nn.Module):
+class AttentionBase(nn.Module):
     """Base of the attention modules of a converted model.
 
     Subclasses provide ``attention_output(hidden_states, position_embeddings, attention_mask,
     cache, **kwargs) -> ([B, T, HQ*D], weights)`` (everything but ``o_proj``) and
     ``scoring_qk(hidden_states, position_embeddings) -> (q, k)`` (the logits are
     ``scaling * q k^T``), and set
-    ``config``, ``scaling``, ``sinks``, ``softcap``, ``sliding_window``, ``attention_dropout``
-    and ``o_proj``.
+    ``config``, ``layer_spec`` (the layer's typed spec), ``scaling``, ``sinks``, ``softcap``,
+    ``sliding_window``, ``attention_dropout`` and ``o_proj``.
     """
+
+    layer_spec: AttentionSpec
+
+    @property
+    def spec(self) -> dict:
+        """The layer's spec in its config.json form, for callers that read it by key."""
+        return self.layer_spec.to_dict()
 
     def attend(self, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Softmax attention (+ sinks) with the configured implementation.
@@ -84,4 +92,4 @@ class Csa2AttentionBase(nn.Module):
         return self.o_proj(out), weights
 
 
-__all__ = ["Csa2AttentionBase", "SINK_CAPABLE_IMPLEMENTATIONS", "SINK_OFF", "apply_rotary", "rotate_half"]
+__all__ = ["AttentionBase", "SINK_CAPABLE_IMPLEMENTATIONS", "SINK_OFF", "apply_rotary", "rotate_half"]

@@ -15,26 +15,33 @@ and masks), plus fields of ours:
   "window": W, ...}`` (see ``csa2_attention.py``): ``full`` adds the MLA fields plus ``top_k``,
   ``index_heads``, ``index_head_dim``, ``index_rope_pairs``; ``reindex`` has ``source``,
   ``top_k``, ``index_heads``; ``reuse`` has ``source``.
+
+  The dicts are what config.json stores and what code outside this package reads and
+  assigns; they are checked and normalised (defaults filled in) when the config is built.
+  ``config.layer_specs`` gives the same list as typed specs (``layer_specs.py``, where every
+  field is described), which the attention modules take.
 * ``mla_attention_path`` -- how MLA layers compute: ``"auto"`` (explicit up-projection for
   prefill, absorbed for one-token decode steps), ``"explicit"`` or ``"absorbed"``.
 * ``csa2_read_path`` -- how CSA2 layers read their selected entries: ``"gather"`` (the
   reference, O(T * (K + W)) memory) or ``"scores"`` (full logits then pick; O(T * S) memory,
   faster on short sequences); see ``sparse_attention.py``.
 
-This file must import only torch/transformers and its siblings: it is copied next to the
-weights so that ``trust_remote_code=True`` loads a checkpoint without hf_csa2 installed.
+This file must import only torch/transformers, the standard library and its siblings: it is
+copied next to the weights so that ``trust_remote_code=True`` loads a checkpoint without
+hf_csa2 installed.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from transformers import AutoConfig, PreTrainedConfig
 
+from .layer_specs import CSA2_MODES, AttentionSpec, DenseSpec, parse_attention_layers
+
 SUPPORTED_BASE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
-ATTENTION_KINDS = ("dense", "mla", "csa2")
-CSA2_MODES = ("swa", "full", "reindex", "reuse")
 QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
 MLA_ATTENTION_PATHS = ("auto", "explicit", "absorbed")
 CSA2_READ_PATHS = ("gather", "scores")
@@ -65,151 +72,40 @@ _OWN_KEYS = frozenset(
 )
 
 
-def validate_attention_spec(spec: dict[str, Any], layer_idx: int, num_attention_heads: int,
-                            head_dim: int | None = None, qk_norm: bool = False) -> dict[str, Any]:
-    """Check one per-layer attention spec and return it with defaults filled in.
+def layer_geometry(config) -> dict[str, Any]:
+    """What a layer spec is checked against (:meth:`AttentionSpec.from_dict`'s keyword
+    arguments): the config's query heads, head width and whether its source has QK-norm."""
+    num_heads = getattr(config, "num_attention_heads", None)
+    return {
+        "num_attention_heads": num_heads,
+        "head_dim": attention_head_dim(config) if num_heads else None,
+        "qk_norm": getattr(config, "base_model_type", None) in QK_NORM_BASE_MODEL_TYPES,
+    }
 
-    Raises ``ValueError`` naming the layer, the field and the allowed values.
+
+_Spec = TypeVar("_Spec", bound=AttentionSpec)
+
+
+def as_layer_spec(spec: AttentionSpec | Mapping, layer_idx: int, config, expected: type[_Spec] = AttentionSpec) -> _Spec:
+    """The typed spec of layer ``layer_idx``, an ``expected`` (or subclass).
+
+    The attention modules take it; a JSON dict (what callers outside this package hold) is
+    checked against ``config``'s geometry here. Its cross-layer fields (``entries``, inherited
+    index fields) must already be filled in (:func:`validate_csa2_sources`).
     """
-    where = f"attention_layers[{layer_idx}]"
-    if not isinstance(spec, dict):
-        raise ValueError(f"{where} must be a mapping, got {type(spec).__name__}")
-    spec = dict(spec)
-    kind = spec.setdefault("kind", "dense")
-    if kind not in ATTENTION_KINDS:
-        raise ValueError(f"{where}.kind={kind!r}; allowed: {', '.join(ATTENTION_KINDS)}")
-    kv_heads = spec.get("num_key_value_heads")
-    if not isinstance(kv_heads, int) or kv_heads < 1 or num_attention_heads % kv_heads:
-        divisors = [d for d in range(1, num_attention_heads + 1) if num_attention_heads % d == 0]
-        raise ValueError(
-            f"{where}.num_key_value_heads={kv_heads!r} must divide "
-            f"num_attention_heads={num_attention_heads}; allowed: {divisors}"
-        )
-    spec["sinks"] = bool(spec.get("sinks", False))
-    allowed_keys = {"kind", "num_key_value_heads", "sinks"}
-    if kind == "mla" or (kind == "csa2" and spec.get("mode") == "full"):
-        allowed_keys |= {"kv_lora_rank", "rope_pairs", "latent_norm"}
-        spec["latent_norm"] = bool(spec.get("latent_norm", False))
-        _validate_mla(spec, where, kv_heads, head_dim, qk_norm)
-    if kind == "csa2":
-        allowed_keys |= _validate_csa2_layer(spec, where, head_dim)
-    unknown = set(spec) - allowed_keys
-    if unknown:
-        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; allowed for kind={kind!r}: {sorted(allowed_keys)}")
+    if isinstance(spec, Mapping):
+        spec = expected.from_dict(spec, layer_idx, **layer_geometry(config))
+    if not isinstance(spec, expected):
+        raise ValueError(f"attention_layers[{layer_idx}] is a {type(spec).__name__}; a {expected.__name__} is needed here")
     return spec
 
 
-def _validate_mla(spec: dict, where: str, kv_heads: int, head_dim: int | None, qk_norm: bool) -> None:
-    rank = spec.get("kv_lora_rank")
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{where}.kv_lora_rank={rank!r} must be an integer >= 1")
-    pairs = spec.get("rope_pairs")
-    if not isinstance(pairs, list) or len(pairs) not in (1, kv_heads) or not all(isinstance(p, list) for p in pairs):
-        raise ValueError(
-            f"{where}.rope_pairs must be a list of pair-index lists, one per KV head ({kv_heads}) "
-            f"or one shared by all heads (1)"
-        )
-    if qk_norm and len(pairs) == 1 and kv_heads > 1:
-        raise ValueError(
-            f"{where}.rope_pairs: a QK-norm source normalises each key head separately, so the rope key "
-            f"cannot be shared by {kv_heads} KV heads; give one list per KV head"
-        )
-    sizes = {len(p) for p in pairs}
-    if len(sizes) != 1:
-        raise ValueError(f"{where}.rope_pairs lists must all have the same length, got sizes {sorted(sizes)}")
-    half = None if head_dim is None else head_dim // 2
-    mixed = len(pairs) == 1 and kv_heads > 1  # a shared key's slots may repeat a frequency
-    for p in pairs:
-        if (not mixed and len(set(p)) != len(p)) or any(
-            not isinstance(i, int) or i < 0 or (half is not None and i >= half) for i in p
-        ):
-            raise ValueError(f"{where}.rope_pairs entries must be distinct pair indices in [0, {half}); got {p}")
-    spec["rope_pairs"] = [sorted(p) for p in pairs]
-
-
-def _positive_int(spec: dict, key: str, where: str) -> int:
-    value = spec.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{where}.{key}={value!r} must be an integer >= 1")
-    return value
-
-
-def _validate_csa2_layer(spec: dict, where: str, head_dim: int | None) -> set[str]:
-    """Per-layer checks of a ``kind: csa2`` spec; returns the keys its mode allows."""
-    mode = spec.get("mode")
-    if mode not in CSA2_MODES:
-        raise ValueError(f"{where}.mode={mode!r}; allowed: {', '.join(CSA2_MODES)}")
-    _positive_int(spec, "window", where)
-    keys = {"mode", "window"}
-    if mode in ("full", "reindex"):
-        _positive_int(spec, "top_k", where)
-        _positive_int(spec, "index_heads", where)
-        keys |= {"top_k", "index_heads", "index_head_dim", "index_rope_pairs"}
-    if mode == "full":
-        _positive_int(spec, "index_head_dim", where)
-        pairs = spec.setdefault("index_rope_pairs", [])
-        half = None if head_dim is None else head_dim // 2
-        if (not isinstance(pairs, list) or len(set(pairs)) != len(pairs)
-                or any(not isinstance(i, int) or i < 0 or (half is not None and i >= half) for i in pairs)
-                or 2 * len(pairs) > spec["index_head_dim"]):
-            raise ValueError(
-                f"{where}.index_rope_pairs={pairs!r} must be distinct pair indices in [0, {half}) "
-                f"filling at most index_head_dim={spec['index_head_dim']} dims (2 per pair)"
-            )
-        spec["index_rope_pairs"] = sorted(pairs)
-    if mode != "full":
-        # Exact keys/values of the first tokens, kept for good (StreamingLLM's attention sinks).
-        value = spec.setdefault("sink_tokens", 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{where}.sink_tokens={value!r} must be an integer >= 0")
-        keys.add("sink_tokens")
-    if mode in ("reindex", "reuse"):
-        source = spec.get("source")
-        if not isinstance(source, int) or isinstance(source, bool) or source < 0:
-            raise ValueError(f"{where}.source={source!r} must be the index of an earlier layer")
-        keys |= {"source", "entries"}  # entries: derived from the sources (validate_csa2_sources)
-    return keys
-
-
 def validate_csa2_sources(specs: list[dict]) -> list[dict]:
-    """Cross-layer checks of CSA2 specs: every reindex/reuse layer reads an earlier layer of a
-    mode that has what it needs, and inherits the index geometry of the entries it reads.
-
-    A ``reindex`` layer needs an earlier ``full`` layer (its entries and index keys); a
-    ``reuse`` layer an earlier ``full`` or ``reindex`` layer (entries and Top-K), and a window
-    at least as wide as the one its Top-K was selected around (else positions between the two
-    windows would be read by neither). Returns the specs with ``entries`` (the layer whose
-    latent entries a reindex/reuse layer reads) and inherited index fields filled in.
-    """
-    specs = [dict(s) for s in specs]
-    for i, spec in enumerate(specs):
-        if spec.get("kind") != "csa2" or spec["mode"] not in ("reindex", "reuse"):
-            continue
-        where = f"attention_layers[{i}]"
-        src = spec["source"]
-        wanted = ("full",) if spec["mode"] == "reindex" else ("full", "reindex")
-        if src >= i or specs[src].get("kind") != "csa2" or specs[src].get("mode") not in wanted:
-            found = "a later layer" if src >= i else f"kind={specs[src].get('kind')!r} mode={specs[src].get('mode')!r}"
-            raise ValueError(
-                f"{where}: mode={spec['mode']!r} reads source={src}, which is {found}; it needs an earlier "
-                f"csa2 layer of mode {' or '.join(wanted)}"
-            )
-        source = specs[src]
-        spec["entries"] = src if source["mode"] == "full" else source["entries"]
-        if spec["mode"] == "reindex":
-            for key in ("index_head_dim", "index_rope_pairs"):
-                given = spec.setdefault(key, source[key])
-                if given != source[key]:
-                    raise ValueError(
-                        f"{where}.{key}={given!r}: a reindex layer scores its source's index keys, "
-                        f"so it must equal layer {src}'s {source[key]!r}"
-                    )
-        elif spec["window"] < source["window"]:
-            raise ValueError(
-                f"{where}.window={spec['window']} is narrower than its source layer {src}'s window "
-                f"{source['window']}: the Top-K it reuses skips that window; allowed: window >= {source['window']}"
-            )
-    return specs
+    """:func:`check_csa2_sources` for a list of JSON dicts (plans built outside this package):
+    each layer is checked on its own (without the model's geometry, which the config checks
+    later), then across layers; returns the dicts with ``entries`` and inherited index fields
+    filled in."""
+    return [spec.to_dict() for spec in parse_attention_layers(specs)]
 
 
 class Csa2Config(PreTrainedConfig):
@@ -241,11 +137,7 @@ class Csa2Config(PreTrainedConfig):
                     f"attention_layers has {len(self.attention_layers)} entries; "
                     f"num_hidden_layers={num_layers} requires one per layer"
                 )
-            head_dim = getattr(self, "head_dim", None) or (self.hidden_size // num_heads)
-            qk_norm = self.base_model_type in QK_NORM_BASE_MODEL_TYPES
-            self.attention_layers = validate_csa2_sources([
-                validate_attention_spec(s, i, num_heads, head_dim, qk_norm) for i, s in enumerate(self.attention_layers)
-            ])
+            self.attention_layers = [spec.to_dict() for spec in self.layer_specs]
         if self.mla_attention_path not in MLA_ATTENTION_PATHS:
             raise ValueError(f"mla_attention_path={self.mla_attention_path!r}; allowed: {', '.join(MLA_ATTENTION_PATHS)}")
         if self.csa2_read_path not in CSA2_READ_PATHS:
@@ -269,11 +161,19 @@ class Csa2Config(PreTrainedConfig):
         return base
 
     @property
+    def layer_specs(self) -> list[AttentionSpec]:
+        """The typed spec of each layer, built and checked from ``attention_layers`` on every
+        access (a few checks per layer), so it follows reassignments and in-place edits."""
+        return parse_attention_layers(self.attention_layers or [], **layer_geometry(self))
+
+    @property
     def uses_only_native_features(self) -> bool:
         """True when every layer is plain dense attention without sinks and one KV-head count:
         then the model can be saved in the source's own architecture."""
-        kv = {s["num_key_value_heads"] for s in self.attention_layers}
-        return all(s["kind"] == "dense" and not s["sinks"] for s in self.attention_layers) and len(kv) == 1
+        specs = self.layer_specs
+        kv = {s.num_key_value_heads for s in specs}
+        return all(type(s) is DenseSpec and not s.sinks for s in specs) and len(kv) == 1
 
 
-__all__ = ["CSA2_MODES", "Csa2Config", "MLA_ATTENTION_PATHS", "QK_NORM_BASE_MODEL_TYPES", "SUPPORTED_BASE_MODEL_TYPES", "validate_attention_spec", "validate_csa2_sources"]
+__all__ = ["CSA2_MODES", "Csa2Config", "MLA_ATTENTION_PATHS", "QK_NORM_BASE_MODEL_TYPES", "SUPPORTED_BASE_MODEL_TYPES",
+           "as_layer_spec", "attention_head_dim", "layer_geometry", "validate_csa2_sources"]

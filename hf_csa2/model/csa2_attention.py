@@ -1,8 +1,8 @@
 """CSA2 shared-KV sparse attention layers (seed 000; DeepSeek-V4.1 "CSA2" style).
 
-Per layer a mode (``spec["mode"]``):
+Per layer a mode (``spec.mode``; the specs are in ``layer_specs.py``):
 
-* ``full``    -- an MLA layer (:class:`Csa2LatentAttention`) whose latent entries ``c_j`` (and
+* ``full``    -- an MLA layer (:class:`LatentAttention`) whose latent entries ``c_j`` (and
   rope keys) plus one index key per token are cached once for the whole model. Its own
   indexer picks Top-K entries among positions older than its window; it reads Top-K + its
   last ``window`` entries in one softmax (absorbed form: scores and read-out in latent space).
@@ -37,9 +37,11 @@ from torch import nn
 from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention_base import rotate_half
-from .dense_attention import Csa2Attention
+from .configuration_hf_csa2 import as_layer_spec
+from .dense_attention import DenseSinkAttention
 from .indexer import Indexer
-from .latent_attention import Csa2LatentAttention
+from .latent_attention import LatentAttention
+from .layer_specs import Csa2FullSpec, Csa2ReaderSpec, MlaSpec
 from .sparse_attention import SparseSegment, sparse_sink_attention, window_index
 
 
@@ -143,20 +145,21 @@ class DynamicSinkWindowLayer(DynamicSlidingWindowLayer):
             self._map_sinks(lambda t: t.to(self.device, non_blocking=True))
 
 
-def _reject_softcap(module: nn.Module, spec: dict) -> None:
+def _reject_softcap(module: nn.Module, spec: Csa2FullSpec | Csa2ReaderSpec) -> None:
     if getattr(module, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"kind=csa2 mode={spec['mode']!r}: attention logit soft-capping is not supported by the sparse read")
+        raise ValueError(f"kind=csa2 mode={spec.mode!r}: attention logit soft-capping is not supported by the sparse read")
 
 
-class Csa2FullAttention(Csa2LatentAttention):
+class Csa2FullAttention(LatentAttention):
     """``full`` CSA2 layer: MLA entries + index keys cached once; reads Top-K + window."""
 
-    def __init__(self, source: nn.Module, config, layer_idx: int, spec: dict):
+    def __init__(self, source: nn.Module, config, layer_idx: int, spec: Csa2FullSpec | dict):
+        spec = as_layer_spec(spec, layer_idx, config, Csa2FullSpec)
         _reject_softcap(source, spec)
         super().__init__(source, config, layer_idx, spec)
-        self.window, self.top_k = spec["window"], spec["top_k"]
+        self.window, self.top_k = spec.window, spec.top_k
         self.indexer = Indexer(
-            source.q_proj.in_features, spec["index_heads"], spec["index_head_dim"], spec["index_rope_pairs"],
+            source.q_proj.in_features, spec.index_heads, spec.index_head_dim, spec.index_rope_pairs,
             rotary_dim=self.head_dim, with_key=True, dtype=source.q_proj.weight.dtype,
         )
         self.scratch: dict = {}
@@ -210,12 +213,12 @@ class EntryReader(nn.Module):
     offset of the entry logits.
     """
 
-    def __init__(self, source_spec: dict, num_query_heads: int, num_key_value_heads: int, head_dim: int, dtype=None):
+    def __init__(self, source_spec: MlaSpec, num_query_heads: int, num_key_value_heads: int, head_dim: int, dtype=None):
         super().__init__()
-        self.kv_lora_rank = source_spec["kv_lora_rank"]
+        self.kv_lora_rank = source_spec.kv_lora_rank
         self.num_key_value_heads, self.head_dim = num_key_value_heads, head_dim
-        self.slot_pairs = [i for pairs in source_spec["rope_pairs"] for i in sorted(pairs)]  # frequency of each slot
-        self.num_rope_heads = len(source_spec["rope_pairs"])
+        self.slot_pairs = [i for pairs in source_spec.rope_pairs for i in sorted(pairs)]  # frequency of each slot
+        self.num_rope_heads = len(source_spec.rope_pairs)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, num_key_value_heads * 2 * head_dim, bias=True, dtype=dtype)
         self.q_rope_coef = nn.Parameter(torch.zeros(num_key_value_heads, len(self.slot_pairs), 2, dtype=dtype))
         # Per query head, added to every entry logit: approximate keys of far entries spread
@@ -266,23 +269,27 @@ class EntryReader(nn.Module):
         return segment, v_up[kv_of_query]
 
 
-class Csa2WindowAttention(Csa2Attention):
+class Csa2ReaderAttention(DenseSinkAttention):
     """``swa`` / ``reindex`` / ``reuse`` CSA2 layer: own exact keys/values of the last
     ``window`` tokens, plus (reindex/reuse) a full layer's entries at Top-K addresses."""
 
-    def __init__(self, source: nn.Module, config, layer_idx: int, spec: dict, entries_spec: dict | None = None):
+    def __init__(self, source: nn.Module, config, layer_idx: int, spec: Csa2ReaderSpec | dict,
+                 entries_spec: Csa2FullSpec | dict | None = None):
+        """``entries_spec``: the spec of layer ``spec.entries`` (reindex/reuse), whose entries are read."""
+        spec = as_layer_spec(spec, layer_idx, config, Csa2ReaderSpec)
         _reject_softcap(source, spec)
         super().__init__(source, config, layer_idx, spec)
-        self.mode, self.window = spec["mode"], spec["window"]
-        self.sink_tokens = spec.get("sink_tokens", 0)
+        self.mode, self.window, self.sink_tokens = spec.mode, spec.window, spec.sink_tokens
         dtype = source.q_proj.weight.dtype
-        self.reader = None if self.mode == "swa" else EntryReader(
-            entries_spec, self.num_heads, self.num_key_value_heads, self.head_dim, dtype)
+        self.reader = None
+        if self.mode != "swa":
+            entries_spec = as_layer_spec(entries_spec, spec.entries, config, Csa2FullSpec)
+            self.reader = EntryReader(entries_spec, self.num_heads, self.num_key_value_heads, self.head_dim, dtype)
         self.indexer = None
         if self.mode == "reindex":
-            self.top_k = spec["top_k"]
+            self.top_k = spec.top_k
             self.indexer = Indexer(
-                source.q_proj.in_features, spec["index_heads"], spec["index_head_dim"], spec["index_rope_pairs"],
+                source.q_proj.in_features, spec.index_heads, spec.index_head_dim, spec.index_rope_pairs,
                 rotary_dim=self.head_dim, with_key=False, dtype=dtype,
             )
         self.peers: list[nn.Module] = []  # the model's attention modules, set by the model
@@ -292,11 +299,11 @@ class Csa2WindowAttention(Csa2Attention):
         """Top-K addresses [B, T, K] of this layer (reindex: own selection; reuse: its source's,
         minus what falls inside this layer's window)."""
         if self.mode == "reindex":
-            full = self.peers[self.spec["entries"]].scratch
+            full = self.peers[self.layer_spec.entries].scratch
             iq, iw = self.indexer.queries(hidden_states, full["position_embeddings"])
             top = self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window)
             return top.masked_fill(top < self.sink_tokens, -1)  # held exactly in the own segment
-        top = self.peers[self.spec["source"]].scratch["top_k"]
+        top = self.peers[self.layer_spec.source].scratch["top_k"]
         inside = top > positions[None, :, None] - self.window
         return top.masked_fill(inside | (top < self.sink_tokens), -1)
 
@@ -346,7 +353,7 @@ class Csa2WindowAttention(Csa2Attention):
         v_up = None
         if self.reader is not None:
             top = self._top_k(hidden_states, positions)
-            entries, v_up = self.reader.segment(q_plain, self.kv_of_query, self.peers[self.spec["entries"]].scratch, top,
+            entries, v_up = self.reader.segment(q_plain, self.kv_of_query, self.peers[self.layer_spec.entries].scratch, top,
                                                 self.scaling)
             segments.append(entries)
             self.scratch = {"top_k": top}
@@ -363,4 +370,4 @@ class Csa2WindowAttention(Csa2Attention):
         return torch.arange(self.num_heads, device=self.q_proj.weight.device) // self.num_key_value_groups
 
 
-__all__ = ["Csa2FullAttention", "Csa2WindowAttention", "DynamicSinkWindowLayer", "EntryReader", "cache_layer"]
+__all__ = ["Csa2FullAttention", "Csa2ReaderAttention", "DynamicSinkWindowLayer", "EntryReader", "cache_layer"]

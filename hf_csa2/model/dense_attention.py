@@ -9,10 +9,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention_base import SINK_OFF, Csa2AttentionBase, apply_rotary
+from .attention_base import SINK_OFF, AttentionBase, apply_rotary
+from .configuration_hf_csa2 import as_layer_spec
+from .layer_specs import AttentionSpec
 
 
-class Csa2Attention(Csa2AttentionBase):
+class DenseSinkAttention(AttentionBase):
     """Dense softmax attention with a per-layer KV-head count and optional per-head sinks.
 
     Built from a source attention module (e.g. ``LlamaAttention`` or ``Gemma3Attention``)
@@ -20,14 +22,14 @@ class Csa2Attention(Csa2AttentionBase):
     project -> (QK-norm) -> RoPE -> cache -> softmax attention (+ sinks) -> o_proj.
     """
 
-    def __init__(self, source: nn.Module, config, layer_idx: int, spec: dict):
+    def __init__(self, source: nn.Module, config, layer_idx: int, spec: AttentionSpec | dict):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.spec = dict(spec)
+        self.layer_spec = spec = as_layer_spec(spec, layer_idx, config)
         self.head_dim = source.head_dim
         self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = spec["num_key_value_heads"]
+        self.num_key_value_heads = spec.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.scaling = source.scaling
         self.attention_dropout = getattr(source, "attention_dropout", 0.0)
@@ -37,7 +39,7 @@ class Csa2Attention(Csa2AttentionBase):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = source.q_proj, source.k_proj, source.v_proj, source.o_proj
         self.q_norm = getattr(source, "q_norm", None)
         self.k_norm = getattr(source, "k_norm", None)
-        if spec["sinks"]:
+        if spec.sinks:
             self.sinks = nn.Parameter(torch.full((self.num_heads,), SINK_OFF, dtype=source.q_proj.weight.dtype))
         else:
             self.sinks = None
@@ -65,14 +67,8 @@ class Csa2Attention(Csa2AttentionBase):
         q, k, _ = self.project(hidden_states, position_embeddings)
         return q, k
 
-    def attention_output(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attention_output(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Everything but ``o_proj``: hidden_states [B, T, hidden] -> ([B, T, HQ*D], weights or None)."""
         input_shape = hidden_states.shape[:-1]
         q, k, v = self.project(hidden_states, position_embeddings)
@@ -83,4 +79,4 @@ class Csa2Attention(Csa2AttentionBase):
         return out.reshape(*input_shape, -1).contiguous(), weights
 
 
-__all__ = ["Csa2Attention"]
+__all__ = ["DenseSinkAttention"]

@@ -44,8 +44,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention_base import SINK_OFF, Csa2AttentionBase, rotate_half
-from .configuration_hf_csa2 import MLA_ATTENTION_PATHS
+from .attention_base import SINK_OFF, AttentionBase, rotate_half
+from .configuration_hf_csa2 import MLA_ATTENTION_PATHS, as_layer_spec
+from .layer_specs import MlaSpec
 
 
 def rms_norm_eps(norm: nn.Module) -> float:
@@ -95,20 +96,20 @@ class LatentRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class Csa2LatentAttention(Csa2AttentionBase):
+class LatentAttention(AttentionBase):
     """MLA layer built from a source attention module (adopts ``q_proj``, ``o_proj`` and the
     QK-norms); new parameters ``kv_a_proj`` [r + R*2n, hidden] and ``kv_b_proj``
     [H*(D_nope + D), r] (filled by the surgery, or by ``from_pretrained``)."""
 
-    def __init__(self, source: nn.Module, config, layer_idx: int, spec: dict):
+    def __init__(self, source: nn.Module, config, layer_idx: int, spec: MlaSpec | dict):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.spec = dict(spec)
+        self.layer_spec = spec = as_layer_spec(spec, layer_idx, config, MlaSpec)
         self.head_dim = d = source.head_dim
         self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = spec["num_key_value_heads"]
-        self.kv_lora_rank = spec["kv_lora_rank"]
+        self.num_key_value_heads = spec.num_key_value_heads
+        self.kv_lora_rank = spec.kv_lora_rank
         self.scaling = source.scaling
         self.attention_dropout = getattr(source, "attention_dropout", 0.0)
         self.sliding_window = getattr(source, "sliding_window", None)
@@ -119,25 +120,25 @@ class Csa2LatentAttention(Csa2AttentionBase):
         self.k_norm = getattr(source, "k_norm", None)
 
         # A rope key shared by several KV heads mixes them: queries then read it through coefficients.
-        self.mixed_rope = len(spec["rope_pairs"]) == 1 and self.num_key_value_heads > 1
+        self.mixed_rope = len(spec.rope_pairs) == 1 and self.num_key_value_heads > 1
         # Index tables as plain per-device tensors built lazily, not buffers: from_pretrained
         # builds modules on the meta device and would leave non-persistent buffers uninitialised.
         self._indices: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self.num_rope_heads = len(spec["rope_pairs"])  # R
-        self.rope_width = 2 * len(spec["rope_pairs"][0])  # 2n
+        self.num_rope_heads = len(spec.rope_pairs)  # R
+        self.rope_width = 2 * len(spec.rope_pairs[0])  # 2n
         self.nope_width = d if self.mixed_rope else d - self.rope_width
 
         # A normalised latent keeps one constant (bias-only) coordinate: see the surgery's scale_anchor.
-        bias = source.k_proj.bias is not None or bool(spec.get("latent_norm"))
+        bias = source.k_proj.bias is not None or spec.latent_norm
         hidden = source.q_proj.in_features
         dtype = source.q_proj.weight.dtype
         self.kv_a_proj = nn.Linear(hidden, self.kv_lora_rank + self.num_rope_heads * self.rope_width, bias=bias, dtype=dtype)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_key_value_heads * (self.nope_width + d), bias=bias, dtype=dtype)
         # DeepSeek-V3 normalises the latent before caching it (needed to export to that format).
-        self.kv_a_layernorm = LatentRMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype) if spec.get("latent_norm") else None
+        self.kv_a_layernorm = LatentRMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype) if spec.latent_norm else None
         if self.mixed_rope:  # [H, n, (re, im)]
             self.q_rope_coef = nn.Parameter(torch.zeros(self.num_key_value_heads, self.rope_width // 2, 2, dtype=dtype))
-        if spec["sinks"]:
+        if spec.sinks:
             self.sinks = nn.Parameter(torch.full((self.num_heads,), SINK_OFF, dtype=dtype))
         else:
             self.sinks = None
@@ -147,7 +148,7 @@ class Csa2LatentAttention(Csa2AttentionBase):
     def index_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The layer's index tables on ``device``, derived from its spec (cached)."""
         if device not in self._indices:
-            rope_dims, nope_dims = rope_dim_indices(self.spec["rope_pairs"], self.head_dim, self.mixed_rope)
+            rope_dims, nope_dims = rope_dim_indices(self.layer_spec.rope_pairs, self.head_dim, self.mixed_rope)
             group = self.num_heads // self.num_key_value_heads
             kv = self.num_key_value_heads
             tables = {
@@ -275,14 +276,8 @@ class Csa2LatentAttention(Csa2AttentionBase):
             raise ValueError(f"mla_attention_path={path!r}; allowed: {', '.join(MLA_ATTENTION_PATHS)}")
         return path == "absorbed" or (path == "auto" and q_len == 1)
 
-    def attention_output(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attention_output(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
+                         **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Everything but ``o_proj``: hidden_states [B, T, hidden] -> ([B, T, HQ*D], weights or None)."""
         b, t, _ = hidden_states.shape
         latent, rope_part = self.compress(hidden_states, position_embeddings)
@@ -346,4 +341,4 @@ class Csa2LatentAttention(Csa2AttentionBase):
         return out, weights
 
 
-__all__ = ["Csa2LatentAttention", "LatentRMSNorm", "MLA_ATTENTION_PATHS", "rms_norm_gain", "rope_dim_indices"]
+__all__ = ["LatentAttention", "LatentRMSNorm", "MLA_ATTENTION_PATHS", "rms_norm_gain", "rope_dim_indices"]

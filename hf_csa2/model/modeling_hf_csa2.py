@@ -4,9 +4,9 @@ One code path for every supported source architecture: build the source causal L
 transformers (Llama, Qwen2, Qwen3, Mistral, Gemma3) and swap each decoder layer's attention
 module for one of ours, which adopts the source module's projections and norms (same
 parameter names, so state dicts line up) and adds what the layer spec asks for: a different
-number of KV heads and per-head sink logits (:class:`Csa2Attention`), or multi-head latent
-attention (:class:`Csa2LatentAttention`), or CSA2 shared-KV sparse attention
-(:class:`Csa2FullAttention`, :class:`Csa2WindowAttention`).
+number of KV heads and per-head sink logits (:class:`DenseSinkAttention`), or multi-head latent
+attention (:class:`LatentAttention`), or CSA2 shared-KV sparse attention
+(:class:`Csa2FullAttention`, :class:`Csa2ReaderAttention`).
 
 Self-contained: imports only torch, transformers and sibling files, so ``save_pretrained``
 can copy it next to the weights for ``trust_remote_code=True``.
@@ -24,29 +24,34 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils.generic import can_return_tuple
 
-from .attention_base import SINK_OFF, Csa2AttentionBase
-from .configuration_hf_csa2 import Csa2Config
-from .csa2_attention import Csa2FullAttention, Csa2WindowAttention, EntryReader, own_cache_layer
-from .dense_attention import Csa2Attention
-from .latent_attention import Csa2LatentAttention
+from .attention_base import SINK_OFF, AttentionBase
+from .configuration_hf_csa2 import Csa2Config, as_layer_spec, layer_geometry
+from .csa2_attention import Csa2FullAttention, Csa2ReaderAttention, EntryReader, own_cache_layer
+from .dense_attention import DenseSinkAttention
+from .latent_attention import LatentAttention
+from .layer_specs import AttentionSpec, Csa2FullSpec, Csa2ReaderSpec, MlaSpec, parse_attention_layers
 
 
-def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_idx: int, spec: dict) -> Csa2AttentionBase:
-    """Create the layer's attention from the spec: :class:`Csa2Attention` (dense) around a fresh
-    source-architecture module with the spec's KV heads (so biases/norms match the source
-    exactly), or :class:`Csa2LatentAttention` (MLA) adopting the source's query/output side."""
-    if spec["kind"] == "mla":
-        return Csa2LatentAttention(source, config, layer_idx, spec)
-    if spec["kind"] == "csa2" and spec["mode"] == "full":
+def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_idx: int,
+                    spec: AttentionSpec | dict) -> AttentionBase:
+    """Create the layer's attention from its spec (typed, or a JSON dict): :class:`DenseSinkAttention`
+    (dense) around a fresh source-architecture module with the spec's KV heads (so biases/norms
+    match the source exactly), or :class:`LatentAttention` (MLA) adopting the source's
+    query/output side, or the CSA2 module of its mode."""
+    spec = as_layer_spec(spec, layer_idx, config)
+    if isinstance(spec, Csa2FullSpec):
         return Csa2FullAttention(source, config, layer_idx, spec)
-    if spec["num_key_value_heads"] != base_config.num_key_value_heads:
+    if isinstance(spec, MlaSpec):
+        return LatentAttention(source, config, layer_idx, spec)
+    if spec.num_key_value_heads != base_config.num_key_value_heads:
         layer_config = copy.deepcopy(base_config)
-        layer_config.num_key_value_heads = spec["num_key_value_heads"]
+        layer_config.num_key_value_heads = spec.num_key_value_heads
         source = type(source)(layer_config, layer_idx)
-    if spec["kind"] == "csa2":
-        entries = config.attention_layers[spec["entries"]] if "entries" in spec else None
-        return Csa2WindowAttention(source, config, layer_idx, spec, entries)
-    return Csa2Attention(source, config, layer_idx, spec)
+    if isinstance(spec, Csa2ReaderSpec):
+        # The entries' layer is self-contained (a full layer): check just that one.
+        entries = None if spec.entries is None else as_layer_spec(config.attention_layers[spec.entries], spec.entries, config)
+        return Csa2ReaderAttention(source, config, layer_idx, spec, entries)
+    return DenseSinkAttention(source, config, layer_idx, spec)
 
 
 class Csa2PreTrainedModel(PreTrainedModel):
@@ -62,7 +67,7 @@ class Csa2PreTrainedModel(PreTrainedModel):
 
     def _init_weights(self, module):
         super()._init_weights(module)
-        if isinstance(module, Csa2AttentionBase) and module.sinks is not None:
+        if isinstance(module, AttentionBase) and module.sinks is not None:
             init.constant_(module.sinks, SINK_OFF)
         if isinstance(module, EntryReader):
             init.zeros_(module.q_rope_coef)
@@ -82,12 +87,15 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         self.model = base.model
         self.lm_head = base.lm_head
         self.vocab_size = config.vocab_size
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn = build_attention(layer.self_attn, base_config, config, i, config.attention_layers[i])
+        # Not config.layer_specs: with trust_remote_code the config may come from another loaded
+        # copy of these files, whose spec classes isinstance would not recognise here.
+        specs = parse_attention_layers(config.attention_layers, **layer_geometry(config))
+        for i, (layer, spec) in enumerate(zip(self.model.layers, specs)):
+            layer.self_attn = build_attention(layer.self_attn, base_config, config, i, spec)
         # CSA2 layers read entries that earlier layers computed in the same forward.
         peers = [layer.self_attn for layer in self.model.layers]
         for attn in peers:
-            if isinstance(attn, Csa2WindowAttention):
+            if isinstance(attn, Csa2ReaderAttention):
                 attn.peers = peers
         # One config object at run time, so attn_implementation switches reach every module.
         for module in self.modules():
@@ -95,7 +103,7 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
                 module.config = config
         if hasattr(self.model, "_can_record_outputs"):
             recorded = dict(self.model._can_record_outputs or {})
-            recorded["attentions"] = Csa2AttentionBase
+            recorded["attentions"] = AttentionBase
             self.model._can_record_outputs = recorded
         self.post_init()
 
@@ -112,6 +120,7 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
 
     @property
     def _reads_by_position(self) -> bool:
+        # The JSON form: it is read on every forward, and layer_specs would check every layer each time.
         return any(spec["kind"] == "csa2" for spec in self.config.attention_layers)
 
     def get_input_embeddings(self):
@@ -170,4 +179,4 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["Csa2Attention", "Csa2AttentionBase", "Csa2ForCausalLM", "Csa2FullAttention", "Csa2LatentAttention", "Csa2WindowAttention", "Csa2PreTrainedModel", "SINK_OFF"]
+__all__ = ["DenseSinkAttention", "AttentionBase", "Csa2ForCausalLM", "Csa2FullAttention", "LatentAttention", "Csa2ReaderAttention", "Csa2PreTrainedModel", "SINK_OFF"]

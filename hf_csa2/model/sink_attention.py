@@ -66,18 +66,9 @@ def masked_logits(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.
     return logits, allowed
 
 
-def eager_sink_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    scaling: float,
-    sinks: torch.Tensor | None = None,
-    softcap: float | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def eager_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                         *, scaling: float, sinks: torch.Tensor | None = None, softcap: float | None = None,
+                         dropout: float = 0.0, training: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention with optional sinks (explicit logits, softmax in fp32 at least).
 
     Computed as seed 004 §5 writes it: the dense softmax weights, exactly as transformers'
@@ -106,17 +97,9 @@ def eager_sink_attention(
     return out.transpose(1, 2).contiguous(), weights
 
 
-def sdpa_sink_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    scaling: float,
-    sinks: torch.Tensor | None = None,
-    dropout: float = 0.0,
-    training: bool = False,
-) -> tuple[torch.Tensor, None]:
+def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        *, scaling: float, sinks: torch.Tensor | None = None, dropout: float = 0.0,
+                        training: bool = False) -> tuple[torch.Tensor, None]:
     """Fused SDPA attention honouring sinks; returns ``(out [B, T, HQ, D], None)``.
 
     ``out = (1 - a_sink) * sdpa(q, k, v)`` (seed 004 §5: real-token weights are the dense

@@ -19,7 +19,7 @@ from ..model.configuration_hf_csa2 import (
     CSA2_READ_PATHS,
     attention_head_dim,
 )
-from ..model.csa2_attention import Csa2WindowAttention, read_path
+from ..model.csa2_attention import Csa2ReaderAttention, read_path
 from ..model.sparse_attention import sparse_sink_attention
 from .calibration import decoder_layers
 from .indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
@@ -29,8 +29,8 @@ from .layerwise import (
     source_attention_outputs,
 )
 from .linalg import ridge_solve
-from .mla import apply_mla
-from .plan import MlaPlan, default_sources
+from .mla import MlaFitReport, apply_mla
+from .plan import Csa2Plan, MlaPlan, default_sources
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -111,7 +111,7 @@ def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 @torch.no_grad()
-def fit_entry_reader(attn: Csa2WindowAttention, hidden: torch.Tensor, ridge: float) -> dict[str, float]:
+def fit_entry_reader(attn: Csa2ReaderAttention, hidden: torch.Tensor, ridge: float) -> dict[str, float]:
     """Least-squares init of a reindex/reuse layer's :class:`EntryReader` on calibration data.
 
     Targets are the layer's OWN keys (after QK-norm, before RoPE) and values for the same
@@ -164,7 +164,7 @@ def fit_entry_reader(attn: Csa2WindowAttention, hidden: torch.Tensor, ridge: flo
 
 
 @torch.no_grad()
-def calibrate_entry_mass(attn: Csa2WindowAttention, source_attn, hidden: torch.Tensor, position_embeddings) -> dict[str, float]:
+def calibrate_entry_mass(attn: Csa2ReaderAttention, source_attn, hidden: torch.Tensor, position_embeddings) -> dict[str, float]:
     """Set the reader's per-head ``logit_bias`` so that, on average over the calibration
     tokens, the entries get the share of attention the dense source layer gives to the same
     Top-K positions.
@@ -205,7 +205,7 @@ def calibrate_entry_mass(attn: Csa2WindowAttention, source_attn, hidden: torch.T
 
 
 @torch.no_grad()
-def entry_offset_readout(attn: Csa2WindowAttention, hidden: torch.Tensor, position_embeddings):
+def entry_offset_readout(attn: Csa2ReaderAttention, hidden: torch.Tensor, position_embeddings):
     """``readout(d)`` -> the layer's read-out [N, T, HQ, D] (before ``o_proj``, fp64) if every
     entry logit bias moved by ``d``, from ONE read at the current bias: an offset rescales the
     entries' softmax terms by e^d, so read-out = (o_own + e^d o_ent) / (w_own + e^d w_ent + w_sink)."""
@@ -230,7 +230,7 @@ ENTRY_BIAS_OFFSETS = (-30.0, -8.0, -6.0, -4.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5,
 
 
 @torch.no_grad()
-def refine_entry_bias(attn: Csa2WindowAttention, source_attn, hidden: torch.Tensor, position_embeddings,
+def refine_entry_bias(attn: Csa2ReaderAttention, source_attn, hidden: torch.Tensor, position_embeddings,
                       offsets: tuple[float, ...] = ENTRY_BIAS_OFFSETS) -> dict[str, float]:
     """Move each head's entry ``logit_bias`` (from :func:`calibrate_entry_mass`) by the offset
     that minimises that head's read-out error against the dense layer (before ``o_proj``).
@@ -292,7 +292,8 @@ def init_indexer_from_attention(indexer, source_attn, group: int) -> None:
 
 @dataclass
 class Csa2FitOptions:
-    """How :func:`fit_csa2_layer` initialises one CSA2 layer (see :func:`apply_csa2`)."""
+    """How :func:`fit_csa2_layer` initialises one CSA2 layer: the plan's fit settings, plus
+    ``calibrate_mass`` (the entry-mass bias; off only to study the reader alone)."""
 
     window: int
     top_k: int
@@ -301,6 +302,73 @@ class Csa2FitOptions:
     indexer_warmup_steps: int = 0
     calibrate_mass: bool = True
     refine_bias: bool = False
+
+    @classmethod
+    def from_plan(cls, plan: Csa2Plan, calibrate_mass: bool = True) -> "Csa2FitOptions":
+        return cls(window=plan.window, top_k=plan.top_k, ridge=plan.reader_ridge, refit_output=plan.refit_output,
+                   indexer_warmup_steps=plan.indexer_warmup_steps, calibrate_mass=calibrate_mass,
+                   refine_bias=plan.refine_entry_bias)
+
+
+@dataclass
+class Csa2LayerFit:
+    """One layer's calibrated init (:func:`fit_csa2_layer`); a field is None where the layer's
+    mode or the plan does not fit that part. Errors are relative squared errors."""
+
+    mode: str
+    index_group: int | None = None  # full: the KV group whose scores start the indexer
+    far_mass: list[float] | None = None  # full: each KV group's attention mass beyond the window
+    top_k_recall_init: float | None = None  # full/reindex: dense attention mass the Top-K covers, at init
+    top_k_recall: float | None = None  # ... and after the indexer warm-up
+    index_kl_before: float | None = None  # indexer warm-up: KL to the dense attention, before/after
+    index_kl_after: float | None = None
+    reader_key_rel_err: float | None = None  # reindex/reuse: reader least squares of keys / values
+    reader_value_rel_err: float | None = None
+    entry_share_before: float | None = None  # entry-mass bias: share of attention on the entries
+    entry_share_after: float | None = None
+    entry_share_target: float | None = None  # ... the dense layer's share at the same positions
+    entry_bias_offset: float | None = None  # refine_entry_bias: mean bias offset chosen
+    entry_heads_off: float | None = None  # ... fraction of heads whose entries were switched off
+    readout_rel_err_share: float | None = None  # ... the entries' read-out error with the bias as calibrated
+    readout_rel_err: float | None = None  # ... and with the chosen offsets
+    rel_err_before: float | None = None  # o_proj refit: the layer's attention output, before/after
+    rel_err_after: float | None = None
+
+
+#: Csa2LayerFit fields the stage report averages over the layers that have them
+_AVERAGED = ("reader_key_rel_err", "reader_value_rel_err", "top_k_recall_init", "top_k_recall", "index_kl_before",
+             "index_kl_after", "entry_share_before", "entry_share_after", "entry_share_target", "entry_bias_offset",
+             "entry_heads_off", "readout_rel_err_share", "readout_rel_err")
+
+
+@dataclass
+class Csa2FitReport:
+    """What :func:`apply_csa2` did: the plan, each layer's mode and fit, and the MLA fit of
+    the full layers."""
+
+    plan: Csa2Plan
+    modes: list[str]
+    layers: list[Csa2LayerFit]
+    mla: MlaFitReport
+
+    def stage_notes(self) -> dict:
+        notes: dict = {"modes": "".join({"full": "F", "reindex": "R", "reuse": "U", "swa": "S"}[m] for m in self.modes),
+                       "window": self.plan.window, "top_k": self.plan.top_k}
+        for key in _AVERAGED[:2]:
+            _mean_into(notes, key, self.layers)
+        refits = [f.rel_err_after for f in self.layers if f.rel_err_after is not None]
+        if refits:
+            notes["attn_out_rel_err_after_refit"] = sum(refits) / len(refits)
+        notes["index_groups"] = [f.index_group for f in self.layers if f.index_group is not None]
+        for key in _AVERAGED[2:]:
+            _mean_into(notes, key, self.layers)
+        return notes
+
+
+def _mean_into(notes: dict, key: str, fits: list[Csa2LayerFit]) -> None:
+    values = [getattr(f, key) for f in fits if getattr(f, key) is not None]
+    if values:
+        notes[key] = sum(values) / len(values)
 
 
 @torch.no_grad()
@@ -356,37 +424,31 @@ def _train_indexer(indexer, src, hidden, pe, keys, opts: Csa2FitOptions) -> dict
     return notes
 
 
-def build_csa2_skeleton(dense, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
-                        windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
-                        sinks: bool | None = None, sink_tokens: int = 0, mla_plan: MlaPlan | None = None) -> Csa2ForCausalLM:
-    """The CSA2 model of ``modes`` before its readers/indexers are fitted: full layers in MLA
-    form (:func:`apply_mla` on those layers only, fitted on ``windows`` [N, T]; ``mla_plan``: its
-    other settings, whose latent and rope key must agree with ``kv_lora_rank``,
-    ``num_rope_pairs`` and ``shared_rope_key``), every other layer with the dense layer's own
-    projections. ``dense``: an hf_csa2 model with dense layers."""
-    if any(s["kind"] != "dense" for s in dense.config.attention_layers):
+def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: torch.Tensor,
+                        sources: list[int | None] | None = None) -> tuple[Csa2ForCausalLM, MlaFitReport]:
+    """The CSA2 model of ``plan`` before its readers/indexers are fitted: full layers in MLA
+    form (:func:`apply_mla` with ``mla_plan`` on those layers only, fitted on ``windows``
+    [N, T]), every other layer with the dense layer's own projections. ``dense``: an hf_csa2
+    model with dense layers; ``sources``: who reads whom (default: :func:`default_sources`)."""
+    layers = dense.config.attention_layers
+    if any(s["kind"] != "dense" for s in layers):
         raise ValueError("CSA2 surgery needs dense attention layers as input")
-    if len(modes) != len(dense.config.attention_layers):
-        raise ValueError(f"{len(modes)} layer modes for a model with {len(dense.config.attention_layers)} layers")
+    modes = plan.layer_modes(len(layers))
+    if len(modes) != len(layers):
+        raise ValueError(f"{len(modes)} layer modes for a model with {len(layers)} layers")
     sources = default_sources(modes) if sources is None else sources
     full_layers = [i for i, m in enumerate(modes) if m == "full"]
-    geometry = dict(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=2 * num_rope_pairs,
-                    rope_key="shared" if shared_rope_key else "per_head")
-    if mla_plan is None:
-        mla_plan = MlaPlan(**geometry)
-    elif any(getattr(mla_plan, k) != v for k, v in geometry.items()):
-        raise ValueError(f"mla_plan {({k: getattr(mla_plan, k) for k in geometry})} disagrees with the arguments {geometry}")
-    mla, _ = apply_mla(dense, mla_plan, windows=windows, only_layers=full_layers)
+    mla, mla_report = apply_mla(dense, mla_plan, windows=windows, only_layers=full_layers)
     d = attention_head_dim(dense.config)
     hq = dense.config.num_attention_heads
     groups = {mla.config.attention_layers[i]["num_key_value_heads"] for i in full_layers}
     if len(groups) > 1:
         raise ValueError(f"full layers with different KV-head counts {sorted(groups)}: one index geometry is shared")
     index_heads = hq // (groups.pop() if groups else 1)
-    specs = csa2_layer_specs(mla.config.attention_layers, dense.config.attention_layers, modes, sources,
-                             window=window, top_k=top_k, index_heads=index_heads, index_head_dim=d,
-                             index_rope_pairs=list(range(d // 2)), sinks=sinks, sink_tokens=sink_tokens)
-    return to_csa2(mla, specs)
+    specs = csa2_layer_specs(mla.config.attention_layers, layers, modes, sources,
+                             window=plan.window, top_k=plan.top_k, index_heads=index_heads, index_head_dim=d,
+                             index_rope_pairs=list(range(d // 2)), sinks=plan.sinks, sink_tokens=plan.sink_tokens)
+    return to_csa2(mla, specs), mla_report
 
 
 def as_dense_csa2(model):
@@ -395,51 +457,50 @@ def as_dense_csa2(model):
 
 
 @torch.no_grad()
-def apply_csa2(model, modes: list[str], *, window: int, top_k: int, kv_lora_rank: int, num_rope_pairs: int,
-               windows: torch.Tensor, sources: list[int | None] | None = None, shared_rope_key: bool = True,
-               sinks: bool | None = None, sink_tokens: int = 0, ridge: float = 1e-3, refit_output: bool = True,
-               mla_plan: MlaPlan | None = None, indexer_warmup_steps: int = 0, calibrate_mass: bool = True,
-               refine_bias: bool = False, fit_read_path: str = "scores"):
-    """Return a CSA2 copy of ``model`` (native or hf_csa2 with dense layers).
+def apply_csa2(model, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: torch.Tensor,
+               sources: list[int | None] | None = None, calibrate_mass: bool = True,
+               fit_read_path: str = "scores") -> tuple[Csa2ForCausalLM, Csa2FitReport]:
+    """Rewrite ``model`` (native or hf_csa2 with dense layers) into the CSA2 layers of ``plan``
+    (the plan's ``csa2`` section; ``mla_plan``, its ``mla`` section, says how full layers build
+    their latent entries); returns the new model (the source is not changed) and a
+    :class:`Csa2FitReport`.
 
-    Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only, with
-    ``kv_lora_rank`` / ``num_rope_pairs`` / ``shared_rope_key`` and the other settings of
-    ``mla_plan``, the plan's ``mla`` section), training-free indexer copied from the KV group
-    with the most attention mass beyond the window. Reindex layers start with their source's index query (they select like it until trained). Reindex/reuse
-    readers: least squares to the layer's own keys/values (:func:`fit_entry_reader`); then
-    ``o_proj`` refit to the source layer's output. Non-full layers keep the first
-    ``sink_tokens`` tokens exactly (StreamingLLM's attention sinks). All fits (:func:`fit_csa2_layer`) run layer
-    by layer on the converted model's own activations over the calibration ``windows`` [N, T].
-    With ``indexer_warmup_steps`` the indexers of full and reindex layers are trained to the
-    dense attention (:func:`~hf_csa2.surgery.indexer_warmup.warm_up_indexer`). With
-    ``calibrate_mass`` each reader's per-head logit bias is set so the entries get the share
-    of attention the dense layer gives to the same positions (:func:`calibrate_entry_mass`);
-    with ``refine_bias`` each head's bias then moves to minimise its read-out error
+    Full layers: MLA form of the same layer (:func:`apply_mla` on those layers only),
+    training-free indexer copied from the KV group with the most attention mass beyond the
+    window. Reindex layers start with their source's index query (they select like it until
+    trained). Reindex/reuse readers: least squares to the layer's own keys/values
+    (:func:`fit_entry_reader`); then ``o_proj`` refit to the source layer's output. Non-full
+    layers keep the first ``sink_tokens`` tokens exactly (StreamingLLM's attention sinks). All
+    fits (:func:`fit_csa2_layer`) run layer by layer on the converted model's own activations
+    over the calibration ``windows`` [N, T]. With ``indexer_warmup_steps`` the indexers of full
+    and reindex layers are trained to the dense attention
+    (:func:`~hf_csa2.surgery.indexer_warmup.warm_up_indexer`). With ``calibrate_mass`` each
+    reader's per-head logit bias is set so the entries get the share of attention the dense
+    layer gives to the same positions (:func:`calibrate_entry_mass`); with
+    ``refine_entry_bias`` each head's bias then moves to minimise its read-out error
     (:func:`refine_entry_bias`). The fits read entries through ``fit_read_path`` (the
     calibration windows are short, where ``"scores"`` is the fast exact path); the returned
-    model reads through the reference ``"gather"`` path. It carries ``fit_notes`` (one dict per layer).
+    model reads through the reference ``"gather"`` path.
     """
     if fit_read_path not in CSA2_READ_PATHS:
         raise ValueError(f"fit_read_path={fit_read_path!r}; allowed: {', '.join(CSA2_READ_PATHS)}")
     dense = as_dense_csa2(model)
-    new = build_csa2_skeleton(dense, modes, window=window, top_k=top_k, kv_lora_rank=kv_lora_rank,
-                              num_rope_pairs=num_rope_pairs, windows=windows, sources=sources,
-                              shared_rope_key=shared_rope_key, sinks=sinks, sink_tokens=sink_tokens,
-                              mla_plan=mla_plan)
+    new, mla_report = build_csa2_skeleton(dense, plan, mla_plan, windows=windows, sources=sources)
     new.config.csa2_read_path = fit_read_path
-    opts = Csa2FitOptions(window=window, top_k=top_k, ridge=ridge, refit_output=refit_output,
-                          indexer_warmup_steps=indexer_warmup_steps, calibrate_mass=calibrate_mass,
-                          refine_bias=refine_bias)
+    opts = Csa2FitOptions.from_plan(plan, calibrate_mass)
     dense_layers = decoder_layers(dense)
     targets = source_attention_outputs(dense, windows)
+    modes = [s["mode"] for s in new.config.attention_layers]
 
     def fit_layer(i, attn, hidden, attn_kwargs):
-        return fit_csa2_layer(attn, dense_layers[i].self_attn, hidden, attn_kwargs, targets[i], opts)
+        notes = fit_csa2_layer(attn, dense_layers[i].self_attn, hidden, attn_kwargs, targets[i], opts)
+        return Csa2LayerFit(mode=modes[i], **notes)
 
-    new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
+    fits = calibrate_layerwise(new, windows, fit_layer)
     new.config.csa2_read_path = "gather"
-    return new.eval()
+    return new.eval(), Csa2FitReport(plan=plan, modes=modes, layers=fits, mla=mla_report)
 
-__all__ = ["Csa2FitOptions", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",
+
+__all__ = ["Csa2FitOptions", "Csa2FitReport", "Csa2LayerFit", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",
            "csa2_layer_specs", "default_sources", "dense_layer_specs", "entry_offset_readout", "far_attention_mass", "fit_csa2_layer",
            "fit_entry_reader", "refine_entry_bias", "init_indexer_from_attention"]

@@ -40,6 +40,7 @@ from .layerwise import (
 from .linalg import augment as _augment
 from .linalg import augmented_moment, eigh
 from .linalg import split_augmented as _split
+from .plan import GqaPlan
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -199,52 +200,83 @@ def has_qk_norm(model) -> bool:
     return getattr(decoder_layers(model)[0].self_attn, "q_norm", None) is not None
 
 
-def apply_gqa(model, num_key_value_heads: int, init: str = "calibrated", windows: torch.Tensor | None = None,
-              *, refit_output: bool = True, ridge: float = 0.3):
-    """Return a copy of ``model`` (native or hf_csa2) whose layers all have
-    ``num_key_value_heads`` KV heads.
+@dataclass
+class GqaLayerFit:
+    """One layer's ``o_proj`` refit (``init: calibrated`` with ``refit_output``): relative squared
+    error of the layer's attention output against the source layer's, before and after."""
 
-    ``mean`` needs nothing else. ``calibrated`` needs calibration ``windows`` [N, T]: layer by
-    layer (see :mod:`~hf_csa2.surgery.layerwise`) it merges the heads with
+    rel_err_before: float
+    rel_err_after: float
+
+
+@dataclass
+class GqaFitReport:
+    """What :func:`apply_gqa` did: the plan it followed, whether keys fell back to the mean
+    merge (QK-norm sources) and, per layer, the refit (None where nothing was refitted)."""
+
+    plan: GqaPlan
+    keys_by_mean: bool
+    layers: list[GqaLayerFit | None]
+
+    def stage_notes(self) -> dict:
+        notes: dict = {"init": self.plan.init}
+        fits = [f for f in self.layers if f is not None]
+        if fits:
+            notes["attn_out_rel_err_before_refit"] = sum(f.rel_err_before for f in fits) / len(fits)
+            notes["attn_out_rel_err_after_refit"] = sum(f.rel_err_after for f in fits) / len(fits)
+        if self.keys_by_mean:
+            notes["keys"] = ("QK-norm source: keys merged by mean (a linear RoPE-aware fold cannot pass the norm); "
+                             "values by O-weighted PCA")
+        return notes
+
+
+def apply_gqa(model, plan: GqaPlan, *, windows: torch.Tensor | None = None) -> tuple[object, GqaFitReport]:
+    """Rewrite ``model`` (native or hf_csa2) so every layer has ``plan.num_key_value_heads`` KV
+    heads; returns the new model (the source is not changed) and a :class:`GqaFitReport`.
+
+    ``init: mean`` needs nothing else. ``init: calibrated`` needs calibration ``windows`` [N, T]:
+    layer by layer (see :mod:`~hf_csa2.surgery.layerwise`) it merges the heads with
     :func:`merge_kv_heads` from the statistics of the converted model's own inputs to that
     layer, then (``refit_output``) refits ``o_proj`` so the layer reproduces the source
     layer's attention output.
     """
-    if init == "calibrated" and windows is None:
-        raise ValueError("init='calibrated' needs calibration windows")
+    calibrated = plan.init == "calibrated"
+    if calibrated and windows is None:
+        raise ValueError("gqa init='calibrated' needs calibration windows")
     cfg = model.config
     head_dim = attention_head_dim(cfg)
     specs = [dict(s) for s in (cfg.attention_layers if is_csa2(model) else native_specs(cfg))]
     rope_aware = not has_qk_norm(model)
     old_layers = decoder_layers(model)
+    kv = plan.num_key_value_heads
 
     def merged(i, moment=None):
         return merge_kv_heads(
             AttentionWeights.from_module(old_layers[i].self_attn),
             num_q_heads=cfg.num_attention_heads, old_kv_heads=specs[i]["num_key_value_heads"],
-            new_kv_heads=num_key_value_heads, head_dim=head_dim, method="mean" if moment is None else "calibrated",
+            new_kv_heads=kv, head_dim=head_dim, method="mean" if moment is None else "calibrated",
             moment=moment, rope_aware_keys=rope_aware,
         )
 
     state = dict(model.state_dict())
     for i in range(len(old_layers)):
         state.update(merged(i).state_dict(f"model.layers.{i}.self_attn."))
-    new_specs = [{**s, "num_key_value_heads": num_key_value_heads} for s in specs]
-    new = to_csa2(model, new_specs, state=state)
-    if init == "mean":
-        return new
+    new = to_csa2(model, [{**s, "num_key_value_heads": kv} for s in specs], state=state)
+    report = GqaFitReport(plan=plan, keys_by_mean=calibrated and not rope_aware, layers=[None] * len(old_layers))
+    if not calibrated:
+        return new, report
 
-    targets = source_attention_outputs(model, windows) if refit_output else None
+    targets = source_attention_outputs(model, windows) if plan.refit_output else None
 
     def fit_layer(i, attn, hidden, attn_kwargs):
         weights = merged(i, augmented_moment(hidden)).state_dict("")
         attn.load_state_dict({**attn.state_dict(), **weights})
-        if not refit_output:
-            return {}
-        return refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=ridge)
+        if not plan.refit_output:
+            return None
+        return GqaLayerFit(**refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=plan.ridge))
 
-    new.fit_notes = calibrate_layerwise(new, windows, fit_layer)
-    return new
+    report.layers = calibrate_layerwise(new, windows, fit_layer)
+    return new, report
 
 
-__all__ = ["AttentionWeights", "apply_gqa", "has_qk_norm", "head_groups", "merge_kv_heads"]
+__all__ = ["AttentionWeights", "GqaFitReport", "GqaLayerFit", "apply_gqa", "has_qk_norm", "head_groups", "merge_kv_heads"]

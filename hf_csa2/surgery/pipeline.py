@@ -32,11 +32,11 @@ from ..metrics.perplexity import mean_nll
 from ..model import SUPPORTED_BASE_MODEL_TYPES
 from .csa2 import apply_csa2
 from .distill import distill_to_source
-from .gqa import apply_gqa, has_qk_norm
+from .gqa import apply_gqa
 from .mla import apply_mla
 from .plan import ConversionPlan, MlaPlan, PlanError
 from .rebuild import is_csa2, to_native
-from .sinks import add_sinks, calibrate_sinks
+from .sinks import apply_sinks
 
 logger = logging.getLogger(__name__)  # long stages report progress here (the CLI shows INFO on stderr)
 
@@ -90,18 +90,9 @@ class ConversionResult:
 # -- stages -----------------------------------------------------------------------------
 
 def gqa_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
-    """Merge KV heads of every layer to ``plan.gqa.num_key_value_heads``."""
-    gqa = plan.gqa
-    new = apply_gqa(model, gqa.num_key_value_heads, gqa.init, calib.fit if gqa.init == "calibrated" else None,
-                    refit_output=gqa.refit_output, ridge=gqa.ridge)
-    notes = {"init": gqa.init}
-    fits = [f for f in getattr(new, "fit_notes", []) if f]
-    if fits:
-        notes["attn_out_rel_err_before_refit"] = sum(f["rel_err_before"] for f in fits) / len(fits)
-        notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in fits) / len(fits)
-    if gqa.init == "calibrated" and has_qk_norm(model):
-        notes["keys"] = "QK-norm source: keys merged by mean (a linear RoPE-aware fold cannot pass the norm); values by O-weighted PCA"
-    return new, notes
+    """Merge KV heads of every layer to ``plan.gqa.num_key_value_heads`` (see :mod:`.gqa`)."""
+    new, report = apply_gqa(model, plan.gqa, windows=calib.fit)
+    return new, report.stage_notes()
 
 
 def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
@@ -120,47 +111,16 @@ def mla_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> 
 
 
 def sinks_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
-    """Add one sink logit per query head, initialised so the outputs do not change."""
-    new = add_sinks(model)
-    notes = {"init": plan.sinks.init}
-    if plan.sinks.init == "calibrated":
-        notes.update(calibrate_sinks(new, calib.fit[:4], plan.sinks.margin))
-    return new, notes
-
-
-def csa2_arguments(plan: ConversionPlan) -> dict:
-    """Keyword arguments of :func:`apply_csa2` from the plan's ``csa2`` and ``mla`` sections."""
-    c, mla = plan.csa2, plan.mla
-    return dict(
-        window=c.window, top_k=c.top_k, kv_lora_rank=mla.kv_lora_rank, num_rope_pairs=mla.qk_rope_head_dim // 2,
-        shared_rope_key=mla.rope_key == "shared", sinks=c.sinks, sink_tokens=c.sink_tokens, ridge=c.reader_ridge, refit_output=c.refit_output,
-        indexer_warmup_steps=c.indexer_warmup_steps, refine_bias=c.refine_entry_bias, mla_plan=mla,
-    )
+    """Add one sink logit per query head, initialised so the outputs do not change (see :mod:`.sinks`)."""
+    new, report = apply_sinks(model, plan.sinks, windows=calib.fit)
+    return new, report.stage_notes()
 
 
 def csa2_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:
     """Rewrite into CSA2 layers (see :mod:`.csa2`): MLA entries in the full layers, readers and
     indexers fitted on the calibration text."""
-    c = plan.csa2
-    modes = c.layer_modes(model.config.num_hidden_layers)
-    new = apply_csa2(model, modes, windows=calib.fit, **csa2_arguments(plan))
-    notes: dict = {"modes": "".join({"full": "F", "reindex": "R", "reuse": "U", "swa": "S"}[m] for m in modes),
-                   "window": c.window, "top_k": c.top_k}
-    readers = [f for f in new.fit_notes if "reader_key_rel_err" in f]
-    if readers:
-        notes["reader_key_rel_err"] = sum(f["reader_key_rel_err"] for f in readers) / len(readers)
-        notes["reader_value_rel_err"] = sum(f["reader_value_rel_err"] for f in readers) / len(readers)
-    refits = [f for f in new.fit_notes if "rel_err_after" in f]
-    if refits:
-        notes["attn_out_rel_err_after_refit"] = sum(f["rel_err_after"] for f in refits) / len(refits)
-    notes["index_groups"] = [f["index_group"] for f in new.fit_notes if "index_group" in f]
-    for key in ("top_k_recall_init", "top_k_recall", "index_kl_before", "index_kl_after",
-                "entry_share_before", "entry_share_after", "entry_share_target", "entry_bias_offset", "entry_heads_off",
-                "readout_rel_err_share", "readout_rel_err"):
-        values = [f[key] for f in new.fit_notes if key in f]
-        if values:
-            notes[key] = sum(values) / len(values)
-    return new, notes
+    new, report = apply_csa2(model, plan.csa2, plan.mla, windows=calib.fit)
+    return new, report.stage_notes()
 
 
 def distill_stage(model, plan: ConversionPlan, calib: Calibration, source_model) -> tuple[PreTrainedModel, dict]:

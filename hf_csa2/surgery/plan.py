@@ -71,6 +71,11 @@ def _number(high: float, *, positive: bool = True):
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), Field(min_length=1)]
 
+def _doc(text: str):
+    """A field's meaning, kept in the JSON schema (docs/plans.md is generated from it)."""
+    return Field(description=text)
+
+
 _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -78,10 +83,10 @@ _CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
 class GqaPlan:
     """Reduce every layer to ``num_key_value_heads`` KV heads (1 = MQA)."""
 
-    num_key_value_heads: _int(1, MAX_HEADS)
-    init: Literal[GQA_INITS] = "calibrated"  # "calibrated": RoPE-aware weighted PCA merge; "mean": Ainslie et al. mean-pooling
-    refit_output: Bool = True  # with "calibrated": least-squares refit of o_proj to the source's attention output
-    ridge: _number(MAX_RIDGE) = 0.3  # refit regularisation toward the merged o_proj, relative to mean diag(A^T A)
+    num_key_value_heads: Annotated[_int(1, MAX_HEADS), _doc("KV heads per layer after the merge (1 = MQA); must divide the query heads")]
+    init: Annotated[Literal[GQA_INITS], _doc("\"calibrated\": RoPE-aware weighted PCA merge; \"mean\": Ainslie et al. mean-pooling")] = "calibrated"
+    refit_output: Annotated[Bool, _doc("with \"calibrated\": least-squares refit of o_proj to the source's attention output")] = True
+    ridge: Annotated[_number(MAX_RIDGE), _doc("refit regularisation toward the merged o_proj, relative to mean diag(A^T A)")] = 0.3
 
 
 @dataclass(config=_CONFIG)
@@ -93,18 +98,18 @@ class MlaPlan:
     KV head's rope key (per_head).
     """
 
-    kv_lora_rank: _int(1, MAX_WIDTH)
-    qk_rope_head_dim: _int(0, MAX_WIDTH)
-    rope_key: Literal[MLA_ROPE_KEYS] = "shared"  # "shared": one rope key mixing the KV heads per frequency; "per_head": one per KV head
-    rope_criterion: Literal[MLA_ROPE_CRITERIA] = "perturbation"  # which frequencies keep RoPE: attention-weighted logit damage, or MHA2MLA's 2-norm
-    init: Literal[MLA_INITS] = "activation_aware"  # latent factorisation: covariance/readout-weighted, or plain weight SVD
-    latent_norm: Bool = False  # RMS-normalise the latent (DeepSeek-V3 kv_a_layernorm; needed for export)
-    uniform_rope: Bool = False  # the same rope frequencies in every layer (one rope table; needed for export)
-    compare_weight_svd: Bool = True  # also score the plain weight-SVD init in the stage report
-    refit_output: Bool = True  # least-squares refit of o_proj to the source's attention output
-    ridge: _number(MAX_RIDGE) = 0.3
-    refine_steps: _int(0, MAX_STEPS) = 0  # then Adam steps per layer on its output error (best state on held-out windows kept)
-    refine_lr: _number(1.0) = 1e-4
+    kv_lora_rank: Annotated[_int(1, MAX_WIDTH), _doc("width of the latent cached per token and layer")]
+    qk_rope_head_dim: Annotated[_int(0, MAX_WIDTH), _doc("width of the rope key that stays rotated (even: RoPE rotates pairs)")]
+    rope_key: Annotated[Literal[MLA_ROPE_KEYS], _doc("\"shared\": one rope key mixing the KV heads per frequency; \"per_head\": one per KV head")] = "shared"
+    rope_criterion: Annotated[Literal[MLA_ROPE_CRITERIA], _doc("which frequencies keep RoPE: attention-weighted logit damage, or MHA2MLA's 2-norm")] = "perturbation"
+    init: Annotated[Literal[MLA_INITS], _doc("latent factorisation: covariance/readout-weighted, or plain weight SVD")] = "activation_aware"
+    latent_norm: Annotated[Bool, _doc("RMS-normalise the latent (DeepSeek-V3 kv_a_layernorm; needed for export)")] = False
+    uniform_rope: Annotated[Bool, _doc("the same rope frequencies in every layer (one rope table; needed for export)")] = False
+    compare_weight_svd: Annotated[Bool, _doc("also score the plain weight-SVD init in the stage report")] = True
+    refit_output: Annotated[Bool, _doc("least-squares refit of o_proj to the source's attention output")] = True
+    ridge: Annotated[_number(MAX_RIDGE), _doc("o_proj refit regularisation, relative to mean diag(A^T A)")] = 0.3
+    refine_steps: Annotated[_int(0, MAX_STEPS), _doc("then Adam steps per layer on its output error (best state on held-out windows kept)")] = 0
+    refine_lr: Annotated[_number(1.0), _doc("Adam learning rate of refine_steps")] = 1e-4
 
     @model_validator(mode="before")
     @classmethod
@@ -174,17 +179,18 @@ class Csa2Plan:
     reindex layer. Each read attends Top-K (``top_k``) plus the layer's own ``window``.
     """
 
-    layers: Optional[Annotated[list[Literal[CSA2_MODES]], Field(min_length=1, max_length=MAX_HEADS)]] = None
-    full_every: Optional[_int(1, MAX_HEADS)] = None
-    other_mode: Literal[CSA2_OTHER_MODES] = "reuse"
-    window: _int(1, MAX_SEQ) = 128
-    top_k: _int(1, MAX_SEQ) = 256
-    sinks: Optional[Bool] = None  # None: keep each layer's own (e.g. from the sinks stage)
-    sink_tokens: _int(0, MAX_SEQ) = 0  # non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)
-    refine_entry_bias: Bool = False  # move each head's entry bias to minimise its read-out error (down to off)
-    reader_ridge: _number(MAX_RIDGE) = 1e-3  # reader least squares, relative to mean diag(C^T C)
-    refit_output: Bool = True  # o_proj of reindex/reuse/swa layers refit to the source's attention output
-    indexer_warmup_steps: _int(0, MAX_STEPS) = 100  # KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)
+    layers: Annotated[Optional[Annotated[list[Literal[CSA2_MODES]], Field(min_length=1, max_length=MAX_HEADS)]],
+                      _doc("one mode per layer (or give full_every)")] = None
+    full_every: Annotated[Optional[_int(1, MAX_HEADS)], _doc("full at layers 0, k, 2k, ... and other_mode elsewhere (or give layers)")] = None
+    other_mode: Annotated[Literal[CSA2_OTHER_MODES], _doc("with full_every: the mode of the other layers")] = "reuse"
+    window: Annotated[_int(1, MAX_SEQ), _doc("tokens each layer reads exactly, its own last ones")] = 128
+    top_k: Annotated[_int(1, MAX_SEQ), _doc("older entries the indexer selects per query")] = 256
+    sinks: Annotated[Optional[Bool], _doc("None: keep each layer's own (e.g. from the sinks stage)")] = None
+    sink_tokens: Annotated[_int(0, MAX_SEQ), _doc("non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)")] = 0
+    refine_entry_bias: Annotated[Bool, _doc("move each head's entry bias to minimise its read-out error (down to off)")] = False
+    reader_ridge: Annotated[_number(MAX_RIDGE), _doc("reader least squares, relative to mean diag(C^T C)")] = 1e-3
+    refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa layers refit to the source's attention output")] = True
+    indexer_warmup_steps: Annotated[_int(0, MAX_STEPS), _doc("KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)")] = 100
 
     def layer_modes(self, num_layers: int) -> list[str]:
         if self.layers is not None:
@@ -213,8 +219,8 @@ def default_sources(modes: list[str]) -> list[int | None]:
 class SinksPlan:
     """Add one learnable sink logit per query head."""
 
-    init: Literal[SINK_INITS] = "calibrated"  # "calibrated": just below every calibration row's logsumexp; "off": -1e4
-    margin: _number(1e4, positive=False) = 24.0  # calibrated sinks sit this far (in nats) below the smallest logsumexp seen
+    init: Annotated[Literal[SINK_INITS], _doc("\"calibrated\": just below every calibration row's logsumexp; \"off\": -1e4")] = "calibrated"
+    margin: Annotated[_number(1e4, positive=False), _doc("calibrated sinks sit this far (in nats) below the smallest logsumexp seen")] = 24.0
 
 
 @dataclass(config=_CONFIG)
@@ -227,23 +233,23 @@ class DistillPlan:
     decide which state is kept (the converted start included).
     """
 
-    steps: _int(1, MAX_STEPS) = 200
-    lr: _number(1.0) = 1e-4
-    batch: _int(1, MAX_HEADS) = 4  # windows per step
-    num_tokens: _int(1, MAX_TOKENS) = 32768
-    holdout: _int(1, MAX_HEADS) = 4  # windows
-    every: _int(1, MAX_STEPS) = 10  # held-out check every N steps
-    trainable: Literal[DISTILL_TRAINABLE] = "attention"  # "attention": only the rewritten attention modules; "all": all but embeddings/head
+    steps: Annotated[_int(1, MAX_STEPS), _doc("Adam steps")] = 200
+    lr: Annotated[_number(1.0), _doc("Adam learning rate")] = 1e-4
+    batch: Annotated[_int(1, MAX_HEADS), _doc("windows per step")] = 4
+    num_tokens: Annotated[_int(1, MAX_TOKENS), _doc("calibration tokens to distill on (held-out windows included)")] = 32768
+    holdout: Annotated[_int(1, MAX_HEADS), _doc("windows never trained on that pick the kept state")] = 4
+    every: Annotated[_int(1, MAX_STEPS), _doc("held-out check every N steps")] = 10
+    trainable: Annotated[Literal[DISTILL_TRAINABLE], _doc("\"attention\": only the rewritten attention modules; \"all\": all but embeddings/head")] = "attention"
 
 
 @dataclass(config=_CONFIG)
 class CalibrationPlan:
     """Text used to fit inits and to score each stage."""
 
-    text: Text = "python-docs:calib"  # a file/folder, or a named corpus (python-docs:calib)
-    num_tokens: _int(1, MAX_TOKENS) = 8192
-    seq_len: _int(2, MAX_SEQ) = 512
-    eval_windows: _int(0, MAX_HEADS) = 4  # windows of seq_len scored after each stage (report ppl)
+    text: Annotated[Text, _doc("a file/folder, or a named corpus (python-docs:calib)")] = "python-docs:calib"
+    num_tokens: Annotated[_int(1, MAX_TOKENS), _doc("calibration tokens the fits use")] = 8192
+    seq_len: Annotated[_int(2, MAX_SEQ), _doc("tokens per calibration window")] = 512
+    eval_windows: Annotated[_int(0, MAX_HEADS), _doc("windows of seq_len scored after each stage (report ppl)")] = 4
 
 
 SURGERY_SECTIONS = ("gqa", "mla", "sinks", "csa2")
@@ -265,8 +271,8 @@ class ConversionPlan:
     csa2: Optional[Csa2Plan] = None
     distill: Optional[DistillPlan] = None
     calibration: CalibrationPlan = field(default_factory=CalibrationPlan)
-    dtype: Literal[DTYPES] = "float32"
-    context: _int(1, MAX_SEQ) = 8192
+    dtype: Annotated[Literal[DTYPES], _doc("dtype the source is loaded in and the result saved in")] = "float32"
+    context: Annotated[_int(1, MAX_SEQ), _doc("context length the converted model is meant for (the KV cost is counted at it)")] = 8192
 
     def __post_init__(self):
         self.validate()
@@ -411,6 +417,84 @@ class ConversionPlan:
 _ADAPTER = TypeAdapter(ConversionPlan)
 
 
+
+# -- fields as data: for generated CLI flags and docs/plans.md ------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PlanField:
+    """One field of a plan section, described from its annotation (what the CLI builds its
+    flags from and the reference docs are written from)."""
+
+    section: str  # "" for the plan's top-level fields
+    name: str
+    base: Any  # int, float, bool, str, list, a dataclass, or None for a choice of literals
+    choices: tuple | None
+    default: Any  # None when required (see ``required``) or when None is the default
+    required: bool
+    description: str
+    allowed: str  # in words, as the error messages say it
+
+    @property
+    def path(self) -> str:
+        return f"{self.section}.{self.name}" if self.section else self.name
+
+    def validate(self, value: Any) -> Any:
+        """``value`` checked against the field's type and bounds alone (checks across fields
+        run when the plan is built); raises PlanError naming the field."""
+        info = _field_info(tuple(self.path.split(".")))
+        try:
+            typed = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+            return TypeAdapter(typed).validate_python(value)
+        except ValidationError:
+            raise PlanError(f"{self.path}={value!r}; allowed: {self.allowed}{_yaml_hint(value)}") from None
+
+
+def plan_fields(section: str = "") -> list[PlanField]:
+    """The fields of the plan section ``section`` (``"gqa"``, ``"distill"``...; ``""``: the
+    plan's own top-level fields), in declaration order."""
+    cls = ConversionPlan if not section else _unwrap(ConversionPlan.__pydantic_fields__[section].annotation)
+    out = []
+    for name, info in cls.__pydantic_fields__.items():
+        loc = (section, name) if section else (name,)
+        base = _unwrap(info.annotation)
+        choices = None
+        if typing.get_origin(base) is Literal:
+            base, choices = None, typing.get_args(base)
+        elif typing.get_origin(base) is list:
+            base = list
+        default = None if info.is_required() else info.get_default(call_default_factory=True)
+        if dataclasses.is_dataclass(default):
+            default = dataclasses.asdict(default)
+        out.append(PlanField(section, name, base, choices, default, info.is_required(), info.description or "",
+                             _allowed(loc)))
+    return out
+
+
+def set_fields(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """Plan mapping ``data`` with ``SECTION.FIELD=VALUE`` assignments applied (VALUE is read as
+    YAML: ``3``, ``1.0e-4``, ``true``, ``[full, reuse]``); the plan built from it validates them."""
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
+    for item in assignments:
+        key, sep, text = item.partition("=")
+        path = key.strip().split(".")
+        if not sep or not all(path) or len(path) > 2:
+            raise PlanError(f"--set {item!r}; allowed: SECTION.FIELD=VALUE or FIELD=VALUE, e.g. gqa.ridge=0.5 or "
+                            "context=4096")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise PlanError(f"--set {item!r}: the value is not valid YAML") from None
+        if len(path) == 1:
+            data[path[0]] = value
+            continue
+        section = data.get(path[0])
+        if section is None or section is True:
+            section = {}
+        if not isinstance(section, dict):
+            raise PlanError(f"--set {item!r}: plan section {path[0]!r} is {section!r}, not a mapping")
+        data[path[0]] = {**section, path[1]: value}
+    return data
+
 # -- error messages ------------------------------------------------------------------------
 
 def _field_names(cls) -> list[str]:
@@ -539,5 +623,6 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "DistillPlan", "GqaPlan", "MlaPlan", "PlanError", "SinksPlan",
+__all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "DistillPlan", "GqaPlan", "MlaPlan", "PlanError", "PlanField",
+           "SinksPlan", "plan_fields", "set_fields",
            "GQA_INITS", "MLA_INITS", "MLA_REMOVED_FIELDS", "SINK_INITS", "SURGERY_SECTIONS", "default_sources"]

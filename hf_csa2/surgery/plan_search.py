@@ -24,7 +24,8 @@ candidates of earlier steps; with ``refresh`` >= the number of layers it is the 
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from types import SimpleNamespace
 from typing import Callable, Iterable
@@ -35,7 +36,7 @@ from ..errors import InputError
 from ..metrics.kv_cache import config_kv_elements_at_context
 from ..metrics.perplexity import mean_nll
 from ..model.configuration_hf_csa2 import Csa2Config, validate_csa2_sources
-from ..model.csa2_attention import Csa2WindowAttention
+from ..model.csa2_attention import Csa2ReaderAttention
 from .calibration import decoder_layers
 from .csa2 import (
     Csa2FitOptions,
@@ -47,6 +48,7 @@ from .csa2 import (
     fit_csa2_layer,
 )
 from .layerwise import calibrate_layerwise, source_attention_outputs
+from .plan import Csa2Plan, MlaPlan
 
 SEARCH_OTHER_MODES = ("reuse", "reindex", "swa")
 
@@ -71,7 +73,6 @@ class PlanSearchResult:
     uniform: PlanPoint | None  # evenly spaced full layers, as many as the chosen plan
     evaluations: int
     swa_pass: PlanPoint | None = None  # the chosen full layers with readers turned swa where that helps
-    fit_notes: dict = field(default_factory=dict)
 
     @property
     def final(self) -> PlanPoint:
@@ -169,24 +170,23 @@ class PlanBank:
     """Parts for assembling CSA2 plans of one model (see the module docstring).
 
     ``model``: the source (native or hf_csa2 dense); ``fit`` [N, T] calibration windows for
-    the fits, ``score`` [M, T] for the loss; ``csa2_kwargs``: :func:`apply_csa2` arguments
-    (window, top_k, MLA settings, ...). The all-full model is fitted on every ``fit`` window,
+    the fits, ``score`` [M, T] for the loss; ``plan`` / ``mla_plan``: the ``csa2`` and ``mla``
+    sections whose settings every part is fitted with (the layer modes in ``plan`` are not
+    used: the bank assembles its own). The all-full model is fitted on every ``fit`` window,
     the per-layer parts on the first ``part_windows`` (all when None).
     """
 
-    def __init__(self, model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict, other_mode: str = "reuse",
-                 log: Callable[[str], None] = print, part_windows: int | None = None):
+    def __init__(self, model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, mla_plan: MlaPlan,
+                 other_mode: str = "reuse", log: Callable[[str], None] = print, part_windows: int | None = None):
         if other_mode not in SEARCH_OTHER_MODES:
             raise ValueError(f"other_mode={other_mode!r}; allowed: {', '.join(SEARCH_OTHER_MODES)}")
         self.dense = as_dense_csa2(model)
         self.num_layers = len(self.dense.config.attention_layers)
-        self.other_mode, self.score, self.kwargs = other_mode, score, dict(csa2_kwargs)
-        self.opts = Csa2FitOptions(window=self.kwargs["window"], top_k=self.kwargs["top_k"],
-                                   ridge=self.kwargs.get("ridge", 1e-3), refit_output=self.kwargs.get("refit_output", True),
-                                   indexer_warmup_steps=self.kwargs.get("indexer_warmup_steps", 0),
-                                   refine_bias=self.kwargs.get("refine_bias", False))
+        self.other_mode, self.score = other_mode, score
+        self.plan = dataclasses.replace(plan, layers=["full"] * self.num_layers, full_every=None)
+        self.opts = Csa2FitOptions.from_plan(self.plan)
         log(f"plan search: fitting the all-full model ({self.num_layers} layers)")
-        self.model = apply_csa2(self.dense, ["full"] * self.num_layers, windows=fit, **self.kwargs)
+        self.model, _ = apply_csa2(self.dense, self.plan, mla_plan, windows=fit)
         # Calibration windows are short: read through the fast exact path (same results to rounding).
         self.model.config.csa2_read_path = "scores"
         self.full_specs = [dict(s) for s in self.model.config.attention_layers]
@@ -200,7 +200,7 @@ class PlanBank:
         # What a full layer leaves for its readers (entries, index keys, Top-K) on the fit windows.
         self.fit_peers = [SimpleNamespace(scratch=dict(m.scratch), indexer=m.indexer) for m in self.full_modules]
         self.targets = source_attention_outputs(self.dense, part_fit)
-        self.parts: dict[tuple, Csa2WindowAttention] = {}
+        self.parts: dict[tuple, Csa2ReaderAttention] = {}
         self.part_notes: dict[tuple, dict] = {}
         self.evaluations = 0
 
@@ -211,7 +211,7 @@ class PlanBank:
         specs = csa2_layer_specs(self.full_specs, self.dense.config.attention_layers, modes, sources,
                                  window=self.opts.window, top_k=self.opts.top_k, index_heads=first["index_heads"],
                                  index_head_dim=first["index_head_dim"], index_rope_pairs=first["index_rope_pairs"],
-                                 sinks=self.kwargs.get("sinks"), sink_tokens=self.kwargs.get("sink_tokens", 0))
+                                 sinks=self.plan.sinks, sink_tokens=self.plan.sink_tokens)
         return validate_csa2_sources(specs)
 
     def modes(self, full_layers: Iterable[int]) -> list[str]:
@@ -224,14 +224,14 @@ class PlanBank:
         return config_kv_elements_at_context(config, context) / context
 
     # -- parts ------------------------------------------------------------------------------
-    def part(self, i: int, specs: list[dict]) -> Csa2WindowAttention:
+    def part(self, i: int, specs: list[dict]) -> Csa2ReaderAttention:
         """Layer ``i`` of a plan as a fitted window layer (cached per mode and source)."""
         spec = specs[i]
         key = (i, spec["mode"], spec.get("source"))
         if key not in self.parts:
             entries = specs[spec["entries"]] if "entries" in spec else None
             dense = self.dense_modules[i]
-            attn = Csa2WindowAttention(dense, self.model.config, i, spec, entries)
+            attn = Csa2ReaderAttention(dense, self.model.config, i, spec, entries)
             attn.o_proj = copy.deepcopy(attn.o_proj)  # refit per part; q/k/v stay shared with the dense layer
             if attn.sinks is not None and dense.sinks is not None:
                 attn.sinks.data.copy_(dense.sinks.data)
@@ -249,17 +249,19 @@ class PlanBank:
 
     def install_modes(self, modes: list[str]) -> None:
         """Make the bank model the plan with these modes (in place; full layers as in the bank,
-        the others ``swa`` or the bank's ``other_mode``)."""
+        the others ``swa`` or the bank's ``other_mode``). All or nothing: when a part fails to
+        fit, the model keeps the plan it had."""
         if any(m not in ("full", "swa", self.other_mode) for m in modes):
             raise ValueError(f"modes {modes}; allowed in this bank: full, swa, {self.other_mode}")
         specs = self.plan_specs(modes)
         layers = decoder_layers(self.model)
-        for i, layer in enumerate(layers):
-            layer.self_attn = self.full_modules[i] if modes[i] == "full" else self.part(i, specs)
+        modules = [self.full_modules[i] if modes[i] == "full" else self.part(i, specs) for i in range(len(layers))]
+        for layer, attn in zip(layers, modules):  # nothing below can fail half-way
+            layer.self_attn = attn
         self.model.config.attention_layers = specs
         peers = [layer.self_attn for layer in layers]
         for attn in peers:
-            if isinstance(attn, Csa2WindowAttention):
+            if isinstance(attn, Csa2ReaderAttention):
                 attn.peers = peers
 
     def calib_ppl(self, full_layers: Iterable[int]) -> float:
@@ -286,25 +288,25 @@ class PlanBank:
         return PlanPoint(list(point.full_layers), modes, point.kv_elements_per_token, best)
 
 
-def search_plan(model, fit: torch.Tensor, score: torch.Tensor, csa2_kwargs: dict, *, kv_budget: float, context: int,
-                other_mode: str = "reuse", refresh: int = 4, part_windows: int | None = None, swa_pass: bool = False,
-                log: Callable[[str], None] = print) -> PlanSearchResult:
+def search_plan(model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, mla_plan: MlaPlan, *, kv_budget: float,
+                context: int, other_mode: str = "reuse", refresh: int = 4, part_windows: int | None = None,
+                swa_pass: bool = False, log: Callable[[str], None] = print) -> PlanSearchResult:
     """Greedy plan search (module docstring) down to ``kv_budget`` elements per token at
-    ``context`` tokens. Also scores the uniform plan with as many full layers as the chosen one;
+    ``context`` tokens, every part fitted with the settings of ``plan`` / ``mla_plan`` (see
+    :class:`PlanBank`). Also scores the uniform plan with as many full layers as the chosen one;
     with ``swa_pass``, then tries the chosen plan's readers as ``swa`` (:meth:`PlanBank.swa_pass`)."""
     dense_specs = dense_layer_specs(model)
     n = len(dense_specs)
     base = model.config.to_base_config() if hasattr(model.config, "to_base_config") else model.config
     source_kv = config_kv_elements_at_context(base, context) / context
-    swa_specs = csa2_layer_specs(dense_specs, dense_specs, ["swa"] * n, [None] * n, window=csa2_kwargs["window"],
-                                 top_k=csa2_kwargs["top_k"], index_heads=1, index_head_dim=1,
-                                 sink_tokens=csa2_kwargs.get("sink_tokens", 0))
+    swa_specs = csa2_layer_specs(dense_specs, dense_specs, ["swa"] * n, [None] * n, window=plan.window,
+                                 top_k=plan.top_k, index_heads=1, index_head_dim=1, sink_tokens=plan.sink_tokens)
     floor = config_kv_elements_at_context(Csa2Config.from_base_config(base, swa_specs), context) / context
     if kv_budget < floor:
         raise InputError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan (every layer swa with "
-                         f"window {csa2_kwargs['window']}: {floor:.1f} at a {context}-token context)")
+                         f"window {plan.window}: {floor:.1f} at a {context}-token context)")
     source_ppl = mean_nll(model, score)["ppl"]
-    bank = PlanBank(model, fit, score, csa2_kwargs, other_mode, log, part_windows)
+    bank = PlanBank(model, fit, score, plan, mla_plan, other_mode, log, part_windows)
 
     def evaluate(full: tuple[int, ...]) -> float:
         ppl = bank.calib_ppl(full)

@@ -27,15 +27,25 @@ def is_csa2(model) -> bool:
 def to_csa2(model: PreTrainedModel, attention_layers: list[dict], state: dict | None = None) -> Csa2ForCausalLM:
     """Rebuild ``model`` (native or hf_csa2) as a Csa2ForCausalLM with new per-layer specs,
     taking ``state`` (default: the model's own state dict); parameters it lacks, such as
-    new sinks, get their init. Attention tensors are copies; every other tensor is shared
-    with ``state`` (see the module docstring)."""
+    new sinks, get their init. Attention tensors of ``model`` are copied; every other tensor
+    of ``state`` is taken as it is (see the module docstring)."""
     base_cfg = model.config.to_base_config() if is_csa2(model) else model.config
     config = Csa2Config.from_base_config(base_cfg, attention_layers)
     config._attn_implementation = model.config._attn_implementation or "sdpa"
     with torch.device("meta"):
         new = Csa2ForCausalLM(config)
-    source = model.state_dict() if state is None else state
-    adopt_weights(new, {k: v.detach().clone() if REWRITTEN in k else v for k, v in source.items()}, model.dtype)
+    own = model.state_dict()
+    source = own if state is None else state
+    # Copy only attention tensors that ARE the source's: tensors a fit computed (``state``)
+    # are new already, and a second copy of them would double the attention's peak memory.
+    owned = {t.untyped_storage().data_ptr() for t in own.values()}
+    wanted = new.state_dict().keys()  # e.g. MLA layers have no k_proj/v_proj: never copy those
+
+    def taken(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        copy = REWRITTEN in key and tensor.untyped_storage().data_ptr() in owned
+        return tensor.detach().clone() if copy else tensor
+
+    adopt_weights(new, {k: taken(k, v) for k, v in source.items() if k in wanted}, model.dtype)
     new.generation_config = model.generation_config
     return new.eval()
 

@@ -17,11 +17,14 @@ effect), then fine-tune.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..model.modeling_hf_csa2 import SINK_OFF, Csa2AttentionBase
+from ..model.modeling_hf_csa2 import SINK_OFF, AttentionBase
 from ..model.sink_attention import masked_logits
 from .calibration import run_with_attention_hooks
+from .plan import SinksPlan
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -46,7 +49,7 @@ def min_logsumexp_per_head(model, windows: torch.Tensor, batch_size: int = 2) ->
     """
     found: dict[int, torch.Tensor] = {}
 
-    def hook(module: Csa2AttentionBase, args, kwargs, _output):
+    def hook(module: AttentionBase, args, kwargs, _output):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         q, k = module.scoring_qk(hidden, kwargs["position_embeddings"])
         logits, allowed = masked_logits(q.double(), k.double(), kwargs.get("attention_mask"),
@@ -69,7 +72,7 @@ def calibrate_sinks(model, windows: torch.Tensor, margin: float = 24.0) -> dict[
     lse = min_logsumexp_per_head(model, windows)
     values = []
     for module in model.modules():
-        if isinstance(module, Csa2AttentionBase) and module.sinks is not None:
+        if isinstance(module, AttentionBase) and module.sinks is not None:
             target = lse[module.layer_idx] - margin
             module.sinks.copy_(target.clamp_min(SINK_OFF).to(module.sinks.dtype))
             values.append(module.sinks.detach().double())
@@ -77,4 +80,37 @@ def calibrate_sinks(model, windows: torch.Tensor, margin: float = 24.0) -> dict[
     return {"sink_min": allv.min().item(), "sink_max": allv.max().item(), "margin": margin}
 
 
-__all__ = ["add_sinks", "calibrate_sinks", "min_logsumexp_per_head"]
+@dataclass
+class SinksFitReport:
+    """What :func:`apply_sinks` did: the plan, and with ``init: calibrated`` the range of the
+    sink logits it set (None with ``init: off``)."""
+
+    plan: SinksPlan
+    sink_min: float | None = None
+    sink_max: float | None = None
+
+    def stage_notes(self) -> dict:
+        notes: dict = {"init": self.plan.init}
+        if self.sink_min is not None:
+            notes.update(sink_min=self.sink_min, sink_max=self.sink_max, margin=self.plan.margin)
+        return notes
+
+
+#: calibration windows the sink init reads (the smallest logsumexp settles within a few)
+SINK_CALIBRATION_WINDOWS = 4
+
+
+def apply_sinks(model, plan: SinksPlan, *, windows: torch.Tensor | None = None) -> tuple[object, SinksFitReport]:
+    """:func:`add_sinks`, then (``init: calibrated``) :func:`calibrate_sinks` on the first
+    :data:`SINK_CALIBRATION_WINDOWS` of ``windows`` [N, T] with ``plan.margin``."""
+    new = add_sinks(model)
+    report = SinksFitReport(plan=plan)
+    if plan.init == "calibrated":
+        if windows is None:
+            raise ValueError("sinks init='calibrated' needs calibration windows")
+        found = calibrate_sinks(new, windows[:SINK_CALIBRATION_WINDOWS], plan.margin)
+        report.sink_min, report.sink_max = found["sink_min"], found["sink_max"]
+    return new, report
+
+
+__all__ = ["SinksFitReport", "add_sinks", "apply_sinks", "calibrate_sinks", "min_logsumexp_per_head"]

@@ -9,11 +9,12 @@ from hf_csa2.cli import main as cli_main
 from hf_csa2.evals.bench import bench, format_bench_table
 from hf_csa2.metrics.kv_cache import config_kv_elements_per_token
 from hf_csa2.surgery.gqa import apply_gqa
+from hf_csa2.surgery.plan import GqaPlan
 
 
 def test_bench_rows_and_kv_bytes_match_config():
     src = tiny_model("llama")
-    mqa = apply_gqa(src, 1, "mean")
+    mqa = apply_gqa(src, GqaPlan(num_key_value_heads=1, init="mean"))[0]
     rows = bench([("src", src), ("mqa", mqa)], [24, 40], new_tokens=3, repeats=2, batch=2)
     assert [(r["length"], r["model"]) for r in rows] == [(24, "src"), (24, "mqa"), (40, "src"), (40, "mqa")]
     for r, model in zip(rows, [src, mqa, src, mqa]):

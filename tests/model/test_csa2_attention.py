@@ -13,7 +13,7 @@ from hf_csa2.metrics.kv_cache import (
     live_cache_elements,
     measure_kv_elements_per_token,
 )
-from hf_csa2.model import Csa2Config, Csa2FullAttention, Csa2WindowAttention
+from hf_csa2.model import Csa2Config, Csa2FullAttention, Csa2ReaderAttention
 from hf_csa2.model.indexer import Indexer
 from hf_csa2.surgery.csa2 import assemble_csa2, csa2_layer_specs, dense_layer_specs
 from hf_csa2.surgery.mla import apply_mla
@@ -301,4 +301,4 @@ def test_reloads_without_hf_csa2(arch, tmp_path):
     model, _, _ = csa2_model(arch, *MIXED_PLAN)
     with torch.no_grad():
         assert_reloads_without_hf_csa2(model, ids(batch=1, length=11), tmp_path)
-    assert any(isinstance(l.self_attn, Csa2WindowAttention) for l in model.model.layers)
+    assert any(isinstance(l.self_attn, Csa2ReaderAttention) for l in model.model.layers)

@@ -1,4 +1,4 @@
-"""MLA layers (Csa2LatentAttention) on tiny configs of every supported architecture:
+"""MLA layers (LatentAttention) on tiny configs of every supported architecture:
 full-rank exactness, explicit == absorbed, cache consistency, cache size, sinks, reload."""
 
 import pytest
@@ -7,7 +7,7 @@ from remote_code import assert_reloads_without_hf_csa2
 from tiny_models import ARCHS, VOCAB, tiny_model
 
 from hf_csa2.metrics.kv_cache import config_kv_elements_per_token, measure_kv_elements_per_token
-from hf_csa2.model import Csa2Config, Csa2LatentAttention
+from hf_csa2.model import Csa2Config, LatentAttention
 from hf_csa2.surgery.mla import apply_mla, full_stack_width
 from hf_csa2.surgery.plan import MlaPlan
 from hf_csa2.surgery.sinks import add_sinks
@@ -122,7 +122,7 @@ def test_live_cache_holds_only_latent_and_rope_key(arch):
     assert config_kv_elements_per_token(model.config) == 2 * per_layer
     assert measure_kv_elements_per_token(model) == 2 * per_layer
     attn = model.model.layers[0].self_attn
-    assert isinstance(attn, Csa2LatentAttention) and attn.cache_width == per_layer
+    assert isinstance(attn, LatentAttention) and attn.cache_width == per_layer
     out = model(ids(batch=1, length=5), use_cache=True)
     layer = out.cache.layers[0]
     assert layer.keys.shape == (1, 1, 5, 6)  # the latent, nothing of size H x D

@@ -11,12 +11,13 @@ from transformers import AutoModelForCausalLM
 import hf_csa2  # noqa: F401  (registers the Auto classes)
 from hf_csa2.model import Csa2ForCausalLM
 from hf_csa2.surgery.gqa import apply_gqa
+from hf_csa2.surgery.plan import GqaPlan
 from hf_csa2.surgery.sinks import add_sinks
 
 
 def with_sinks(model, values=None, kv_heads=None):
     if kv_heads is not None:
-        model = apply_gqa(model, kv_heads, init="mean")
+        model = apply_gqa(model, GqaPlan(num_key_value_heads=kv_heads, init="mean"))[0]
     new = add_sinks(model)
     if values is not None:
         g = torch.Generator().manual_seed(7)

@@ -10,10 +10,10 @@ from tiny_models import ARCHS, VOCAB, save_tiny_source, tiny_model
 
 from hf_csa2.cli import main as cli_main
 from hf_csa2.evals.round_trip import round_trip
-from hf_csa2.model import Csa2FullAttention, Csa2WindowAttention
+from hf_csa2.model import Csa2FullAttention, Csa2ReaderAttention
 from hf_csa2.surgery.csa2 import apply_csa2, fit_entry_reader
 from hf_csa2.surgery.pipeline import convert
-from hf_csa2.surgery.plan import ConversionPlan, PlanError, default_sources
+from hf_csa2.surgery.plan import ConversionPlan, Csa2Plan, MlaPlan, PlanError, default_sources
 
 QK_NORM = ("qwen3", "gemma3_text")
 MODES = ["full", "reuse", "reindex", "reuse", "swa"]
@@ -24,11 +24,20 @@ def windows(n=8, length=48, seed=1):
     return torch.randint(3, VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
 
 
-def convert_tiny(arch, modes=MODES, **kw):
+def tiny_plans(modes, **csa2):
+    """The csa2 / mla sections these tests convert with (no indexer warm-up unless asked)."""
+    return (Csa2Plan(layers=modes, **{"window": 4, "top_k": 8, "indexer_warmup_steps": 0, **csa2}),
+            MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4))
+
+
+def convert_tiny(arch, modes=MODES, **csa2):
+    """(source, CSA2 model, Csa2FitReport) of a tiny ``arch`` model with one layer per mode."""
     src = tiny_model(arch, num_layers=len(modes))
-    model = apply_csa2(src, modes, window=4, top_k=8, kv_lora_rank=8, num_rope_pairs=2, windows=windows(),
-                       shared_rope_key=arch not in QK_NORM, **kw)
-    return src, model
+    plan, mla = tiny_plans(modes, **csa2)
+    if arch in QK_NORM:
+        mla = MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4, rope_key="per_head")
+    model, report = apply_csa2(src, plan, mla, windows=windows())
+    return src, model, report
 
 
 def test_default_sources_pick_the_nearest_earlier_layer():
@@ -39,14 +48,14 @@ def test_default_sources_pick_the_nearest_earlier_layer():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_apply_csa2_builds_every_mode_and_fits_readers(arch):
-    src, model = convert_tiny(arch)
+    src, model, report = convert_tiny(arch)
     kinds = [type(l.self_attn) for l in model.model.layers]
-    assert kinds == [Csa2FullAttention] + [Csa2WindowAttention] * 4
-    notes = model.fit_notes
-    assert notes[0]["index_group"] in range(src.config.num_key_value_heads)
+    assert kinds == [Csa2FullAttention] + [Csa2ReaderAttention] * 4
+    notes = report.layers
+    assert notes[0].index_group in range(src.config.num_key_value_heads)
     for i in (1, 2, 3):  # readers fitted: better than reading nothing (relative error 1)
-        assert notes[i]["reader_key_rel_err"] < 1.0 and notes[i]["reader_value_rel_err"] < 1.0
-        assert notes[i]["rel_err_after"] <= notes[i]["rel_err_before"] + 1e-9
+        assert notes[i].reader_key_rel_err < 1.0 and notes[i].reader_value_rel_err < 1.0
+        assert notes[i].rel_err_after < notes[i].rel_err_before, notes[i]  # the refit must gain something
     # reindex starts from its source's index query: same selection as the layer it reindexes
     idx_full, idx_re = model.model.layers[0].self_attn.indexer, model.model.layers[2].self_attn.indexer
     assert torch.equal(idx_full.wq.weight, idx_re.wq.weight)
@@ -59,7 +68,7 @@ def test_apply_csa2_builds_every_mode_and_fits_readers(arch):
 def test_reader_fit_is_exact_when_the_keys_are_a_linear_function_of_the_entries():
     """If the reading layer's own K/V are linear in the source latent, least squares recovers
     them: reader logits and values equal the layer's own (up to RoPE on the rope slots)."""
-    src, model = convert_tiny("llama", modes=["full", "reuse"])
+    src, model, report = convert_tiny("llama", modes=["full", "reuse"])
     full, reuse = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(3, 20, 48, generator=g)
@@ -82,9 +91,9 @@ def test_reader_fit_is_exact_when_the_keys_are_a_linear_function_of_the_entries(
 
 
 def test_refined_entry_bias_never_reads_out_worse_and_switches_off_useless_readers():
-    src, model = convert_tiny("llama", modes=["full", "reuse", "reuse"], refine_bias=True, sink_tokens=2)
-    for note in model.fit_notes[1:]:
-        assert note["readout_rel_err"] <= note["readout_rel_err_share"] + 1e-12
+    src, model, report = convert_tiny("llama", modes=["full", "reuse", "reuse"], refine_entry_bias=True, sink_tokens=2)
+    for note in report.layers[1:]:
+        assert note.readout_rel_err <= note.readout_rel_err_share + 1e-12
     # a reader whose values are noise: every head is better off not reading the entries
     from hf_csa2.surgery.csa2 import as_dense_csa2, entry_offset_readout, refine_entry_bias
 
@@ -164,19 +173,19 @@ def test_csa2_plan_needs_mla_and_a_valid_layer_plan_for_the_model():
 
 
 def test_indexer_warm_up_lowers_the_kl_and_does_not_lose_recall():
-    src, model = convert_tiny("llama", indexer_warmup_steps=60)
+    src, model, report = convert_tiny("llama", indexer_warmup_steps=60)
     for i in (0, 2):  # the full layer and the reindex layer
-        notes = model.fit_notes[i]
-        assert notes["index_kl_after"] < notes["index_kl_before"], notes
-        assert notes["top_k_recall"] >= notes["top_k_recall_init"] - 0.02, notes
+        notes = report.layers[i]
+        assert notes.index_kl_after < notes.index_kl_before, notes
+        assert notes.top_k_recall >= notes.top_k_recall_init - 0.02, notes
     assert all(p.requires_grad for p in model.parameters())  # training flags restored
 
 
 def test_entry_mass_calibration_matches_the_dense_share_of_the_selected_positions():
-    src, model = convert_tiny("llama")
+    src, model, report = convert_tiny("llama")
     for i in (1, 2, 3):
-        n = model.fit_notes[i]
-        assert abs(n["entry_share_after"] - n["entry_share_target"]) < 1e-3, n
+        n = report.layers[i]
+        assert abs(n.entry_share_after - n.entry_share_target) < 1e-3, n
     assert any(l.self_attn.reader.logit_bias.abs().max() > 0 for l in model.model.layers[1:4])
 
 
@@ -185,6 +194,5 @@ def test_calibration_windows_must_be_longer_than_the_csa2_window():
         ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
                                   "csa2": {"full_every": 2, "window": 512}, "calibration": {"seq_len": 512}})
     with pytest.raises(ValueError, match="longer than the layer's window"):
-        apply_csa2(tiny_model("llama", num_layers=2), ["full", "reuse"], window=48,
-                                                         top_k=8, kv_lora_rank=8, num_rope_pairs=2, windows=windows(),
-                                                         indexer_warmup_steps=5)
+        apply_csa2(tiny_model("llama", num_layers=2), *tiny_plans(["full", "reuse"], window=48, indexer_warmup_steps=5),
+                   windows=windows())

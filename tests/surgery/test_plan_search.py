@@ -13,12 +13,13 @@ from tiny_models import VOCAB, save_tiny_source, tiny_model
 
 from hf_csa2.cli import main as cli_main
 from hf_csa2.surgery.csa2 import apply_csa2
-from hf_csa2.surgery.plan import ConversionPlan
+from hf_csa2.surgery.plan import ConversionPlan, Csa2Plan, MlaPlan
 from hf_csa2.surgery.plan_search import (PlanBank, PlanPoint, greedy_demotion, pareto_envelope, parse_kv_budget,
                                          plan_modes, search_plan, uniform_full_layers)
 from hf_csa2.surgery.rebuild import to_csa2
 
-CSA2_KW = dict(window=4, top_k=6, kv_lora_rank=8, num_rope_pairs=2, shared_rope_key=True, indexer_warmup_steps=2)
+CSA2 = Csa2Plan(full_every=1, window=4, top_k=6, indexer_warmup_steps=2)  # the bank sets its own layer modes
+MLA = MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4)
 
 
 def windows(n, length=40, seed=3):
@@ -149,12 +150,12 @@ def test_an_installed_plan_is_a_real_model(arch):
     the same logits, and its all-full plan is the all-full conversion."""
     torch.manual_seed(0)
     src = tiny_model(arch, num_layers=5)
-    kw = dict(CSA2_KW, shared_rope_key=arch != "qwen3")
+    mla = MLA if arch != "qwen3" else MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4, rope_key="per_head")
     fit, score = windows(6), windows(2, seed=4)
-    bank = PlanBank(src, fit, score, kw)
+    bank = PlanBank(src, fit, score, CSA2, mla)
     ids = windows(1, 33, seed=5)
     with torch.no_grad():
-        reference = apply_csa2(src, ["full"] * 5, windows=fit, **kw)
+        reference, _ = apply_csa2(src, CSA2, mla, windows=fit)
         bank.install(range(5))
         assert torch.allclose(bank.model(ids).logits, reference(ids).logits, atol=1e-5)
         modes = bank.install([1, 3])
@@ -165,13 +166,30 @@ def test_an_installed_plan_is_a_real_model(arch):
     assert (3, "reuse", 1) not in bank.parts and (2, "reuse", 1) in bank.parts and (4, "reuse", 3) in bank.parts
 
 
+def test_a_part_that_fails_to_fit_leaves_the_installed_plan_as_it_was(monkeypatch):
+    torch.manual_seed(0)
+    src = tiny_model("llama", num_layers=5)
+    bank = PlanBank(src, windows(4), windows(2, seed=4), CSA2, MLA)
+    bank.install([0, 2])
+    before_modules = [layer.self_attn for layer in bank.model.model.layers]
+    before_specs = [dict(s) for s in bank.model.config.attention_layers]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("fit failed")
+
+    monkeypatch.setattr("hf_csa2.surgery.plan_search.fit_csa2_layer", broken)
+    with pytest.raises(RuntimeError, match="fit failed"):
+        bank.install([0, 3])  # layer 4 reads layer 3: a part not fitted yet
+    assert [layer.self_attn for layer in bank.model.model.layers] == before_modules
+    assert bank.model.config.attention_layers == before_specs
+
+
 def test_search_walks_down_to_the_budget():
     torch.manual_seed(0)
     src = tiny_model("llama", num_layers=5)
-    bank_kw = dict(CSA2_KW)
-    probe = PlanBank(src, windows(4), windows(2, seed=4), bank_kw)
+    probe = PlanBank(src, windows(4), windows(2, seed=4), CSA2, MLA)
     budget = probe.kv_elements_per_token([0, 2], 64)
-    res = search_plan(src, windows(4), windows(2, seed=4), bank_kw, kv_budget=budget, context=64, log=lambda m: None)
+    res = search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=budget, context=64, log=lambda m: None)
     kv = [p.kv_elements_per_token for p in res.path]
     ppl = [p.calib_ppl for p in res.path]
     assert [len(p.full_layers) for p in res.path] == list(range(5, 5 - len(res.path), -1))
@@ -186,13 +204,13 @@ def test_search_walks_down_to_the_budget():
     assert res.uniform is not None and res.uniform.full_layers == uniform_full_layers(5, len(res.chosen.full_layers))
     assert res.chosen.modes == plan_modes(5, res.chosen.full_layers)
     with pytest.raises(ValueError, match="below the cheapest plan"):
-        search_plan(src, windows(4), windows(2, seed=4), bank_kw, kv_budget=1.0, context=64, log=lambda m: None)
+        search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=1.0, context=64, log=lambda m: None)
 
 
 def test_swa_pass_keeps_only_improving_swa_layers():
     torch.manual_seed(0)
     src = tiny_model("llama", num_layers=5)
-    bank = PlanBank(src, windows(4), windows(2, seed=4), dict(CSA2_KW))
+    bank = PlanBank(src, windows(4), windows(2, seed=4), CSA2, MLA)
     full = [1, 3]
     start = PlanPoint(full, bank.modes(full), bank.kv_elements_per_token(full, 64), bank.calib_ppl(full))
     log = []

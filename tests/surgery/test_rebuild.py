@@ -8,6 +8,7 @@ from tiny_models import ARCHS, VOCAB, tiny_model
 
 from hf_csa2.surgery.distill import distill_to_source
 from hf_csa2.surgery.gqa import apply_gqa
+from hf_csa2.surgery.plan import GqaPlan
 from hf_csa2.surgery.rebuild import native_specs, to_csa2, to_native
 from hf_csa2.surgery.sinks import add_sinks
 
@@ -56,7 +57,7 @@ def test_surgery_never_changes_the_source_in_memory(arch):
     src = tiny_model(arch, num_kv_heads=4)
     saved = snapshot(src)
     windows = torch.randint(3, VOCAB, (6, 32), generator=torch.Generator().manual_seed(1))
-    merged = apply_gqa(src, 1, "calibrated", windows)
+    merged = apply_gqa(src, GqaPlan(num_key_value_heads=1), windows=windows)[0]
     assert_same_state(src, saved)
     attn = merged.model.layers[0].self_attn
     assert not torch.equal(attn.o_proj.weight, src.model.layers[0].self_attn.o_proj.weight)  # the refit happened
@@ -84,7 +85,7 @@ def test_distilling_every_parameter_leaves_the_shared_teacher_unchanged():
     src = tiny_model("llama", num_kv_heads=4)
     saved = snapshot(src)
     windows = torch.randint(3, VOCAB, (10, 24), generator=torch.Generator().manual_seed(2))
-    student = apply_gqa(src, 1, "mean")
+    student = apply_gqa(src, GqaPlan(num_key_value_heads=1, init="mean"))[0]
     mlp_before = student.model.layers[0].mlp.up_proj.weight.detach().clone()
     assert storage(student.model.layers[0].mlp.up_proj.weight) == storage(src.model.layers[0].mlp.up_proj.weight)
     notes = distill_to_source(student, src, windows, steps=6, lr=3e-3, batch=2, holdout=2, every=2, trainable="all")

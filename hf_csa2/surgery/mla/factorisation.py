@@ -28,7 +28,7 @@ import math
 import torch
 
 from ...model.configuration_hf_csa2 import attention_head_dim
-from ...model.latent_attention import Csa2LatentAttention
+from ...model.latent_attention import LatentAttention
 from ..linalg import augment, augmented_inputs, eigh, psd_sqrt, ridge_solve, split_augmented
 from .rope_slots import RopeSplit, pre_rope_qk, split_key_rows
 
@@ -131,7 +131,7 @@ def scale_anchor(down: torch.Tensor, hidden: torch.Tensor | None, ratio: float =
     return row
 
 
-def refit_up_projection(attn: Csa2LatentAttention, rows: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
+def refit_up_projection(attn: LatentAttention, rows: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
                         ridge: float = 1e-6) -> torch.Tensor:
     """Up-projection ``B`` [m, r] for a normalised latent: least squares of the target rows'
     outputs ``rows x~`` on ``norm(down x~)`` over the calibration tokens ``hidden`` [N, T, d]
@@ -143,7 +143,7 @@ def refit_up_projection(attn: Csa2LatentAttention, rows: torch.Tensor, down: tor
     return ridge_solve(c, x @ rows.T, ridge).T
 
 
-def set_latent(attn: Csa2LatentAttention, src, split: RopeSplit, rank: int, moment: torch.Tensor | None = None,
+def set_latent(attn: LatentAttention, src, split: RopeSplit, rank: int, moment: torch.Tensor | None = None,
                weight: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> None:
     """Factorise the dense source module ``src``'s key/value rows into ``attn.kv_a_proj`` /
     ``attn.kv_b_proj`` (+ the rope rows of ``split``); a normalised latent refits the

@@ -35,7 +35,7 @@ ROPE_CRITERIA = ("perturbation", "norm")
 
 def pre_rope_qk(attn, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries [N, HQ, T, D] and keys [N, H, T, D] of a dense attention module after QK-norm,
-    before RoPE (native source modules and :class:`Csa2Attention` alike)."""
+    before RoPE (native source modules and :class:`DenseSinkAttention` alike)."""
     n, t, _ = hidden.shape
     d = attn.head_dim
     q = attn.q_proj(hidden).view(n, t, -1, d)
@@ -83,6 +83,10 @@ def head_mixing(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return vecs.flip(-1), w
 
 
+#: complex elements of one block of the perturbation score's [J', rows, T, F] products (32 MB)
+ROPE_SCORE_BLOCK = 1 << 22
+
+
 @torch.no_grad()
 def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                           criterion: str = "perturbation", mixing: torch.Tensor | None = None,
@@ -117,17 +121,20 @@ def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tens
     causal = delta >= 0
     angle = delta[..., None] * inv_freq.float()  # [T, T, F]
     rotation = torch.polar(torch.ones(()), angle)
+    rows = max(1, ROPE_SCORE_BLOCK // ((1 if mixing is None else h) * t * q.shape[-1]))
     for r in range(hq):
         g = r // group
+        js = [g] if mixing is None else list(range(h))  # components this query head reads
         for n in range(q.shape[0]):
-            # The source attention weights decide which (query, key) position pairs matter.
-            logits = ((q[n, r][:, None, :] * k[n, g].conj()[None, :, :]) * rotation).real.sum(-1) * scaling
-            p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)[..., None]  # [T, T, 1]
-            js = [g] if mixing is None else list(range(h))  # components this query head reads
-            qj = q[n, r][None] * coef[:, g, js].T[:, None, :]  # [J', T, F]
-            prod = qj[:, :, None, :] * comps[n, js].conj()[:, None, :, :]  # [J', T, T, F]
-            change = (prod * (rotation - 1)).real * scaling  # logit change if the component loses RoPE
-            scores[js] += (p * change.pow(2)).sum((1, 2)).double()
+            for t0 in range(0, t, rows):  # blocks of query positions bound the [J', rows, T, F] products
+                qr, rot = q[n, r, t0 : t0 + rows], rotation[t0 : t0 + rows]
+                # The source attention weights decide which (query, key) position pairs matter.
+                logits = ((qr[:, None, :] * k[n, g].conj()[None, :, :]) * rot).real.sum(-1) * scaling
+                p = torch.softmax(logits.masked_fill(~causal[t0 : t0 + rows], float("-inf")), dim=-1)[..., None]
+                qj = qr[None] * coef[:, g, js].T[:, None, :]  # [J', rows, F]
+                prod = qj[:, :, None, :] * comps[n, js].conj()[:, None, :, :]  # [J', rows, T, F]
+                change = (prod * (rot - 1)).real * scaling  # logit change if the component loses RoPE
+                scores[js] += (p * change.pow(2)).sum((1, 2)).double()
     return scores
 
 
