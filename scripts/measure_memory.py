@@ -114,7 +114,7 @@ def main() -> None:
                 "gqa": {"gqa": {"num_key_value_heads": 2}, "calibration": SHORT_CALIBRATION},
             }
             for name, plan in plans.items():
-                plan_path = write_plan(plan, tmp, f"llama-1b-{name}")
+                plan_path = write_plan(plan, logs, f"llama-1b-{name}")  # kept: scripts/rss_profile.py takes it
                 rss = peak_rss_bytes(convert_cmd(str(source), plan_path, tmp / f"out-{name}"),
                                      logs / f"memory-llama-1b-{name}.log")
                 rows.append((f"random Llama ~1.1B, {name} ({yaml.safe_dump(plan[name], default_flow_style=True).strip()}, "
