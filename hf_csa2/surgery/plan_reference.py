@@ -9,6 +9,7 @@ A test checks that the files in docs/ are what this module writes.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import sys
@@ -42,10 +43,6 @@ def _default(f: PlanField) -> str:
     return f"`{f.default}`"
 
 
-def _section_class(section: str):
-    return next(f.base for f in plan_fields() if f.name == section) if section else ConversionPlan
-
-
 def _table(fields: list[PlanField]) -> list[str]:
     lines = ["| field | allowed | default | meaning |", "|---|---|---|---|"]
     for f in fields:
@@ -55,8 +52,9 @@ def _table(fields: list[PlanField]) -> list[str]:
 
 def markdown() -> str:
     """``docs/plans.md``: the plan's top-level fields, then one table per section."""
-    top = [f for f in plan_fields() if f.choices is not None or f.base in (int, float, bool, str)]
-    sections = [f.name for f in plan_fields() if f.name not in {t.name for t in top}]
+    fields = plan_fields()
+    sections = [f for f in fields if dataclasses.is_dataclass(f.base)]
+    top = [f for f in fields if f not in sections]
     lines = [
         "# Conversion plans: field reference",
         "",
@@ -77,9 +75,9 @@ def markdown() -> str:
         "",
         *_table(top),
     ]
-    for name in sections:
-        cls = _section_class(name)
-        lines += ["", f"## `{name}`", "", inspect.cleandoc(cls.__doc__ or ""), "", *_table(plan_fields(name))]
+    for section in sections:
+        lines += ["", f"## `{section.name}`", "", inspect.cleandoc(section.base.__doc__ or ""), "",
+                  *_table(plan_fields(section.name))]
     return "\n".join(lines) + "\n"
 
 
