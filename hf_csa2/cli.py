@@ -6,6 +6,7 @@
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
     hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]
     hf-csa2 eval report ORIGINAL CONVERTED [...] --out DIR
+    hf-csa2 eval compare SOURCE CONVERTED --text TEXT --context N [--max-windows 1] [--bucket 512] [--json OUT]
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
     hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192] [--swa-pass]
@@ -25,8 +26,10 @@ from pathlib import Path
 import yaml
 
 from .data.corpus import read_text, resolve_text
+from .data.windows import token_windows
 from .errors import InputError, UserError, one_line
 from .evals.bench import bench, format_bench_table
+from .evals.compare import compare_models, format_compare_tables, write_compare_json
 from .evals.lm_eval_glue import (
     check_tasks,
     run_lm_eval,
@@ -208,6 +211,20 @@ def _eval_ppl(args) -> int:
     print(format_ppl_table(results))
     if args.json:
         write_ppl_json(results, args.json)
+    return 0
+
+
+def _eval_compare(args) -> int:
+    inputs = _models([args.source, args.converted]) + [("text", resolve_text(args.text))]
+    if args.json:
+        check_output_file(args.json, inputs=inputs)
+    source = _load(args.source, args)
+    converted = _load(args.converted, args)
+    windows = token_windows(source.tokenizer, args.text, window=args.context, max_windows=args.max_windows)
+    report = compare_models(source.model, converted.model, windows, bucket=args.bucket)
+    print(format_compare_tables(report))
+    if args.json:
+        write_compare_json(report, args.json, source=args.source, converted=args.converted, text=args.text)
     return 0
 
 
@@ -491,13 +508,24 @@ def build_parser() -> argparse.ArgumentParser:
                                                                        parser_class=_Parser)
     p = ev.add_parser("ppl", help="perplexity on identical token windows for every model")
     p.add_argument("models", nargs="+", help="models (folders, sources or aliases); ratios are to the first")
-    p.add_argument("--text", required=True, help="text file or folder, or python-docs:heldout / python-docs:calib")
+    p.add_argument("--text", required=True, help="text file or folder, or a named corpus: python-docs:heldout, fortunes:heldout (…:calib)")
     p.add_argument("--window", type=_window_length, default=512)
     p.add_argument("--max-windows", type=_positive_int, default=None)
     p.add_argument("--batch-size", type=_positive_int, default=1)
     p.add_argument("--json", help="write results JSON here (a file)")
     _trust_flag(p)
     p.set_defaults(func=_eval_ppl)
+
+    p = ev.add_parser("compare", help="where a conversion departs from its source: per position bucket and per layer")
+    p.add_argument("source")
+    p.add_argument("converted")
+    p.add_argument("--text", default="python-docs:heldout", help="text file or folder, or a named corpus")
+    p.add_argument("--context", type=_window_length, default=2048, help="tokens per window")
+    p.add_argument("--max-windows", type=_positive_int, default=1)
+    p.add_argument("--bucket", type=_positive_int, default=512, help="positions per row of the first table")
+    p.add_argument("--json", help="write the report JSON here (a file)")
+    _trust_flag(p)
+    p.set_defaults(func=_eval_compare)
 
     p = ev.add_parser("needle", help="needle/distractor long-context capabilities, scored separately")
     p.add_argument("models", nargs="+", help="models (folders, sources or aliases) sharing one tokenizer")

@@ -18,11 +18,13 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 strict="${FETCH_STRICT:-0}"
 missing=0
 
-echo "== corpus: Debian python3.11-doc (Python docs .rst sources)"
+# Named text corpora (hf_csa2.data.corpus.CORPORA): python-docs:{calib,heldout} and
+# fortunes:{calib,heldout}, each from one Debian package fetched with `apt-get download`.
+echo "== corpora: Debian python3.11-doc (Python docs .rst sources) and fortunes (fortune-mod quotations, verse, jokes)"
 rc=0
 "$PYTHON" -m hf_csa2.data.corpus || rc=$?
 if [[ $rc -eq 3 ]]; then   # hf_csa2.data.corpus.EXIT_UNAVAILABLE
-    echo "NOTE: corpus could not be fetched (see message above); corpus-based tests will skip." >&2
+    echo "NOTE: a corpus could not be fetched (see message above); tests that need it will skip." >&2
     missing=1
 elif [[ $rc -ne 0 ]]; then
     echo "ERROR: 'python -m hf_csa2.data.corpus' crashed (exit $rc)." >&2

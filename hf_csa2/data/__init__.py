@@ -7,10 +7,12 @@ _CORPUS_API = (
     "cache_dir",
     "python_docs_root",
     "corpus_split",
+    "named_split",
     "list_text_files",
     "read_text",
     "resolve_text",
     "NAMED_CORPORA",
+    "CORPORA",
 )
 
 __all__ = list(_CORPUS_API)

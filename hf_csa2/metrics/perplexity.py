@@ -92,4 +92,15 @@ def mean_nll(model, windows: torch.Tensor, batch_size: int = 1) -> dict:
 
 
 
-__all__ = ["mean_nll"]
+def head_log_probs(model, hidden: torch.Tensor) -> torch.Tensor:
+    """float64 next-token log-probabilities from final hidden states ``[n, d]`` -> ``[n, vocab]``:
+    the model's output head (``lm_head``) and its final logit soft-capping (Gemma), as its forward
+    applies them. Lets callers score a few positions without materialising ``[T, vocab]`` logits."""
+    logits = model.lm_head(hidden).double()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.log_softmax(logits, dim=-1)
+
+
+__all__ = ["head_log_probs", "mean_nll"]

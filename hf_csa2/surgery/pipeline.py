@@ -28,6 +28,7 @@ from ..metrics.kv_cache import (
     config_kv_elements_at_context,
     measure_kv_elements_per_token_at,
 )
+from ..metrics.answer_check import answer_check, make_probes
 from ..metrics.perplexity import mean_nll
 from ..model import SUPPORTED_BASE_MODEL_TYPES
 from .csa2 import apply_csa2
@@ -55,6 +56,7 @@ class StageReport:
     seconds: float
     notes: dict = field(default_factory=dict)
     kv_context: int | None = None
+    answer_check: dict | None = None  # AnswerCheck.to_dict(); None: not run (older reports, or switched off)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Calibration:
     fit: torch.Tensor
     score: torch.Tensor
     distill: torch.Tensor | None = None
+    probes: list = field(default_factory=list)  # answer-check probes cut from ``score`` (metrics.answer_check)
 
 
 @dataclass
@@ -180,6 +183,7 @@ def _stage_report(name: str, model, calib: Calibration, started: float, notes: d
         stage=name, calib_ppl=ppl, kv_elements_per_token=measure_kv_elements_per_token_at(model, context),
         kv_elements_per_token_config=config_kv_elements_at_context(model.config, context) / context,
         seconds=round(time.perf_counter() - started, 2), notes=notes, kv_context=context,
+        answer_check=answer_check(model, calib.probes).to_dict() if calib.probes else None,
     )
 
 
@@ -232,6 +236,11 @@ def prepare_source(source: str, plan: ConversionPlan, log: Callable[[str], None]
     rest = windows[cal.eval_windows :]
     calib = Calibration(fit=rest[:fit_windows], score=windows[: cal.eval_windows],
                         distill=rest[:distill_windows] if distill_windows else None)
+    if cal.answer_probes and cal.eval_windows:
+        try:
+            calib.probes = make_probes(loaded.tokenizer, calib.score, cal.answer_probes)
+        except ValueError as err:  # windows too short for a fact and its question: say so, go on
+            log(f"answer check skipped: {err}")
     log(f"loaded {source} ({kind}) in {time.perf_counter() - t0:.1f}s; calibration: {calib.fit.shape[0]}x{cal.seq_len} tokens")
     return PreparedSource(loaded=loaded, model=model, calib=calib, kind=kind, config=config)
 
@@ -343,9 +352,16 @@ def _context_words(context: int | None) -> str:
     return f"at {context} tokens" if context else "after a 16-token prefill"
 
 
+def _answers(r: StageReport) -> str:
+    """``far 5/6, near 6/6`` (answered probes per depth) or ``-`` when the check did not run."""
+    a = r.answer_check
+    return "-" if a is None else f"far {a['far']}/{a['per_depth']}, near {a['near']}/{a['per_depth']}"
+
+
 def format_stage(r: StageReport) -> str:
-    return (f"[stage {r.stage:>6}] calib ppl {r.calib_ppl:8.3f} | KV elements/token {_context_words(r.kv_context)} "
-            f"{r.kv_elements_per_token:8.1f} (config {r.kv_elements_per_token_config:.1f}) | {r.seconds:6.1f}s | {r.notes}")
+    return (f"[stage {r.stage:>6}] calib ppl {r.calib_ppl:8.3f} | answer check {_answers(r)} | KV elements/token "
+            f"{_context_words(r.kv_context)} {r.kv_elements_per_token:8.1f} (config {r.kv_elements_per_token_config:.1f}) "
+            f"| {r.seconds:6.1f}s | {r.notes}")
 
 
 def format_report_table(report: list[StageReport]) -> str:
@@ -354,10 +370,11 @@ def format_report_table(report: list[StageReport]) -> str:
     base = report[0].calib_ppl
     contexts = {r.kv_context for r in report}
     header = _context_words(contexts.pop()) if len(contexts) == 1 else "(context per row)"
-    lines = [f"| stage | calib ppl | ratio | KV elements/token {header} |", "|---|---:|---:|---:|"]
+    lines = [f"| stage | calib ppl | ratio | answer check | KV elements/token {header} |", "|---|---:|---:|---|---:|"]
     for r in report:
         where = f" ({_context_words(r.kv_context)})" if header == "(context per row)" else ""
-        lines.append(f"| {r.stage} | {r.calib_ppl:.3f} | {r.calib_ppl / base:.3f} | {r.kv_elements_per_token:.1f}{where} |")
+        lines.append(f"| {r.stage} | {r.calib_ppl:.3f} | {r.calib_ppl / base:.3f} | {_answers(r)} | "
+                     f"{r.kv_elements_per_token:.1f}{where} |")
     return "\n".join(lines)
 
 

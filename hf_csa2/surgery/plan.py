@@ -250,6 +250,9 @@ class CalibrationPlan:
     num_tokens: Annotated[_int(1, MAX_TOKENS), _doc("calibration tokens the fits use")] = 8192
     seq_len: Annotated[_int(2, MAX_SEQ), _doc("tokens per calibration window")] = 512
     eval_windows: Annotated[_int(0, MAX_HEADS), _doc("windows of seq_len scored after each stage (report ppl)")] = 4
+    answer_probes: Annotated[_int(0, 64), _doc(
+        "probes per depth (far: 5% into a scoring window, near: its last 10%) of the answer check run on the "
+        "source and after each stage: a fact planted in the window, asked back at its end; 0: off")] = 6
 
 
 SURGERY_SECTIONS = ("gqa", "mla", "sinks", "csa2")
