@@ -132,6 +132,22 @@ def format_markdown(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def format_depth_markdown(results: dict[str, list[dict]]) -> str:
+    """One table of every capability pooled: rows = length x depth, a column per model with
+    answered / asked, so "lost only the far facts" and "lost everything" read differently."""
+    names = list(results)
+    cells = {n: defaultdict(list) for n in names}
+    for n, records in results.items():
+        for r in records:
+            cells[n][(r["target_length"], r["depth"])].append(r["correct"])
+    keys = sorted({k for c in cells.values() for k in c})
+    lines = ["| length | depth | " + " | ".join(names) + " |", "|" + "---|" * (2 + len(names))]
+    for length, depth in keys:
+        row = [f"{sum(cells[n][(length, depth)])}/{len(cells[n][(length, depth)])}" for n in names]
+        lines.append(f"| {length} | {depth:.0%} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "model"
 
@@ -183,10 +199,12 @@ def write_reports(results: dict[str, list[dict]], out_dir: str | Path, settings:
     out.mkdir(parents=True, exist_ok=True)
     (out / "needle.json").write_text(json.dumps({"settings": settings or {}, "results": results}, indent=1))
     md = format_markdown(results)
-    (out / "needle.md").write_text(md + "\n")
+    by_depth = format_depth_markdown(results)
+    (out / "needle.md").write_text(f"{md}\n\nBy length and depth (all capabilities):\n\n{by_depth}\n")
     heatmaps = [str(p) for name, recs in results.items() for p in write_heatmaps(name, recs, out)]
-    return {"json": str(out / "needle.json"), "markdown": str(out / "needle.md"), "heatmaps": heatmaps, "table": md}
+    return {"json": str(out / "needle.json"), "markdown": str(out / "needle.md"), "heatmaps": heatmaps,
+            "table": f"{md}\n\n{by_depth}"}
 
 
-__all__ = ["accuracy_table", "build_prompt", "format_markdown", "generate_answers", "score_records", "write_heatmaps",
+__all__ = ["accuracy_table", "build_prompt", "format_depth_markdown", "format_markdown", "generate_answers", "score_records", "write_heatmaps",
            "write_reports"]

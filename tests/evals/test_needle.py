@@ -112,6 +112,15 @@ def test_reports(samples, tmp_path):
     assert len(paths["heatmaps"]) == 2 * len(CATEGORIES)
     assert all((tmp_path / p).exists() for p in paths["heatmaps"])
     assert format_markdown(results).splitlines()[0].startswith("| capability | length | n | oracle")
+    # by length and depth, all capabilities pooled: a model that lost only the early facts reads
+    # differently from one that lost everything
+    results["late-only"] = score_records(samples, [out if s.depth > 0.5 else "no idea" for s, out in zip(samples, outputs)])
+    table = write_reports(results, tmp_path)["table"]
+    for length in (1500, 3000):
+        for depth in (0.0, 0.5, 1.0):
+            n = sum(s.target_length == length and s.depth == depth for s in samples)
+            late = n if depth > 0.5 else 0
+            assert f"| {length} | {depth:.0%} | {n}/{n} | 0/{n} | {late}/{n} |" in table, table
 
 
 class Interrupted(Exception):
