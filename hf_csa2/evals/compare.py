@@ -104,14 +104,21 @@ def _hidden(output) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _record_layers(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Run the decoder stack; return each layer's input and output [1, T, d] and the final hidden state."""
+def _run_layers(model, ids: torch.Tensor, forced_inputs: list[torch.Tensor] | None = None):
+    """Run the decoder stack on ``ids`` [1, T]; return each layer's input and output [1, T, d] and
+    the final hidden state. With ``forced_inputs``, layer ``i`` is fed ``forced_inputs[i]``
+    instead of what the layer before it produced (each layer isolated)."""
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
 
     def attach(i, layer):
         def pre(module, args, kwargs):
             inputs[i] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach()
+            if forced_inputs is None:
+                return None
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": forced_inputs[i]}
+            return (forced_inputs[i], *args[1:]), kwargs
 
         def post(module, args, kwargs, output):
             outputs[i] = _hidden(output).detach()
@@ -125,34 +132,8 @@ def _record_layers(model, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[t
     finally:
         for h in handles:
             h.remove()
-    n = len(inputs)
+    n = len(outputs)
     return [inputs[i] for i in range(n)], [outputs[i] for i in range(n)], final
-
-
-@torch.no_grad()
-def _teacher_forced_outputs(model, ids: torch.Tensor, source_inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each layer's output when its input is replaced by the source's input of that layer."""
-    outputs: dict[int, torch.Tensor] = {}
-
-    def attach(i, layer):
-        def pre(module, args, kwargs):
-            if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": source_inputs[i]}
-            return (source_inputs[i], *args[1:]), kwargs
-
-        def post(module, args, kwargs, output):
-            outputs[i] = _hidden(output).detach()
-
-        return [layer.register_forward_pre_hook(pre, with_kwargs=True),
-                layer.register_forward_hook(post, with_kwargs=True)]
-
-    handles = [h for i, layer in enumerate(decoder_layers(model)) for h in attach(i, layer)]
-    try:
-        model.model(input_ids=ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return [outputs[i] for i in range(len(outputs))]
 
 
 def _check_same_vocab(source, converted) -> None:
@@ -199,11 +180,11 @@ def compare_models(source, converted, windows: torch.Tensor, *, bucket: int = 51
     try:
         for row in windows:
             ids = row[None]
-            src_in, src_out, src_final = _record_layers(source, ids)
+            src_in, src_out, src_final = _run_layers(source, ids)
             conv_final = converted.model(input_ids=ids, use_cache=False).last_hidden_state
             _accumulate_buckets(report.buckets, source, converted, ids[0], src_final[0], conv_final[0])
             del src_final, conv_final
-            forced = _teacher_forced_outputs(converted, ids, src_in)
+            _, forced, _ = _run_layers(converted, ids, forced_inputs=src_in)
             for i, stats in enumerate(report.layers):
                 err = (forced[i][0] - src_out[i][0]).double().pow(2).sum(-1)  # [T]
                 upd = (src_out[i][0] - src_in[i][0]).double().pow(2).sum(-1)

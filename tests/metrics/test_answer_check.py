@@ -74,6 +74,7 @@ def test_scoring_reads_the_predictions_of_exactly_the_answer_tokens():
 
 
 @pytest.mark.real
+@pytest.mark.slow
 def test_a_local_window_loses_the_far_facts_and_keeps_the_near_ones(smollm2):
     """SmolLM2 answers facts from anywhere in 512 tokens; the same weights with a 128-token
     sliding window (Mistral shares Llama's weight names) lose the far ones only."""
