@@ -21,7 +21,7 @@ from ..model.configuration_hf_csa2 import (
 )
 from ..model.csa2_attention import Csa2ReaderAttention, read_path
 from ..model.sparse_attention import sparse_sink_attention
-from .calibration import decoder_layers
+from .calibration import decoder_layers, run_with_attention_hooks
 from .indexer_warmup import dense_attention_targets, top_k_mass_recall, warm_up_indexer
 from .layerwise import (
     calibrate_layerwise,
@@ -30,6 +30,7 @@ from .layerwise import (
 )
 from .linalg import ridge_solve
 from .mla import MlaFitReport, apply_mla
+from .mla.rope_slots import pre_rope_qk
 from .plan import Csa2Plan, MlaPlan, default_sources
 from .rebuild import is_csa2, native_specs, to_csa2
 
@@ -273,19 +274,64 @@ def far_attention_mass(source_attn, hidden: torch.Tensor, position_embeddings, w
 
 
 @torch.no_grad()
+def index_pair_energy(model, windows: torch.Tensor, layers: list[int]) -> torch.Tensor:
+    """Per RoPE frequency pair f [D/2] (float64): ``sum over layers and query heads r of
+    E|q_r,f|^2 * E|k_g(r),f|^2`` on ``windows`` [N, T] (keys and queries after QK-norm, before
+    RoPE): how much of the attention logits' energy a pair can carry (the 2-norm criterion of
+    MHA2MLA). Picks which pairs a narrow index key keeps."""
+    d = attention_head_dim(model.config)
+    total = torch.zeros(d // 2, dtype=torch.float64)
+
+    def make_hook(i):
+        def hook(attn, args, kwargs):
+            if i not in wanted:
+                return
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            q, k = pre_rope_qk(attn, hidden)  # [N, HQ, T, D], [N, H, T, D]
+            half = d // 2
+
+            def pair_energy(x):  # [N, heads, T, D] -> [heads, D/2]
+                x = x.double().pow(2)
+                return (x[..., :half] + x[..., half:]).mean((0, 2))
+
+            eq, ek = pair_energy(q), pair_energy(k)
+            total.add_((eq * ek.repeat_interleave(eq.shape[0] // ek.shape[0], dim=0)).sum(0))
+
+        return hook
+
+    wanted = set(layers)
+    run_with_attention_hooks(model, windows, lambda i, a: a.register_forward_pre_hook(make_hook(i), with_kwargs=True))
+    return total
+
+
+def index_rope_pairs_for(model, windows: torch.Tensor, layers: list[int], index_head_dim: int) -> list[int]:
+    """The ``index_head_dim / 2`` frequency pairs with the most query-key energy over ``layers``
+    (all pairs when the index key is as wide as a head), ascending."""
+    d = attention_head_dim(model.config)
+    if index_head_dim >= d:
+        return list(range(d // 2))
+    energy = index_pair_energy(model, windows, layers)
+    return sorted(int(f) for f in torch.argsort(energy, descending=True)[: index_head_dim // 2])
+
+
+@torch.no_grad()
 def init_indexer_from_attention(indexer, source_attn, group: int) -> None:
     """Training-free indexer: index heads = the query heads of KV group ``group`` with their
-    own query rows, index key = that group's key rows, RoPE on every pair, constant head
+    own query rows, index key = that group's key rows, RoPE on every index dim, constant head
     weights equal to the attention scale. The index score is then the sum over those heads
-    of ReLU(attention logit) (QK-norm and biases left out)."""
+    of ReLU(attention logit) (QK-norm and biases left out); a narrow index key keeps the
+    frequency pairs ``indexer.rope_pairs`` of those rows, so it sums their part of the logits."""
     hq, h, d = source_attn.num_heads, source_attn.num_key_value_heads, source_attn.head_dim
     per = hq // h
-    if indexer.num_heads != per or indexer.head_dim != d or len(indexer.rope_pairs) != d // 2:
-        raise ValueError(f"training-free indexer init needs index_heads={per}, index_head_dim={d} and RoPE on all {d // 2} pairs")
+    pairs = indexer.rope_pairs
+    if indexer.num_heads != per or indexer.head_dim != 2 * len(pairs) or not pairs or pairs[-1] >= d // 2:
+        raise ValueError(f"training-free indexer init needs index_heads={per} and RoPE on every index dim "
+                         f"(index_head_dim = 2 x its pairs, pairs < {d // 2})")
+    dims = torch.tensor(pairs + [p + d // 2 for p in pairs])
     qw = source_attn.q_proj.weight.view(hq, d, -1)[group * per : (group + 1) * per]
-    indexer.wq.weight.copy_(qw.reshape(per * d, -1))
+    indexer.wq.weight.copy_(qw[:, dims].reshape(per * len(dims), -1))
     if indexer.wk is not None:
-        indexer.wk.weight.copy_(source_attn.k_proj.weight.view(h, d, -1)[group])
+        indexer.wk.weight.copy_(source_attn.k_proj.weight.view(h, d, -1)[group][dims])
     indexer.weights_proj.weight.zero_()
     indexer.weights_proj.bias.fill_(source_attn.scaling)
 
@@ -445,9 +491,11 @@ def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: to
     if len(groups) > 1:
         raise ValueError(f"full layers with different KV-head counts {sorted(groups)}: one index geometry is shared")
     index_heads = hq // (groups.pop() if groups else 1)
+    index_dim = plan.index_head_dim or d
+    pairs = index_rope_pairs_for(dense, windows[:4], full_layers, index_dim) if full_layers else list(range(index_dim // 2))
     specs = csa2_layer_specs(mla.config.attention_layers, layers, modes, sources,
-                             window=plan.window, top_k=plan.top_k, index_heads=index_heads, index_head_dim=d,
-                             index_rope_pairs=list(range(d // 2)), sinks=plan.sinks, sink_tokens=plan.sink_tokens)
+                             window=plan.window, top_k=plan.top_k, index_heads=index_heads, index_head_dim=index_dim,
+                             index_rope_pairs=pairs, sinks=plan.sinks, sink_tokens=plan.sink_tokens)
     return to_csa2(mla, specs), mla_report
 
 
@@ -503,4 +551,5 @@ def apply_csa2(model, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: torch.Tenso
 
 __all__ = ["Csa2FitOptions", "Csa2FitReport", "Csa2LayerFit", "apply_csa2", "as_dense_csa2", "assemble_csa2", "build_csa2_skeleton", "calibrate_entry_mass",
            "csa2_layer_specs", "default_sources", "dense_layer_specs", "entry_offset_readout", "far_attention_mass", "fit_csa2_layer",
-           "fit_entry_reader", "refine_entry_bias", "init_indexer_from_attention"]
+           "fit_entry_reader", "refine_entry_bias", "index_pair_energy", "index_rope_pairs_for",
+           "init_indexer_from_attention"]

@@ -187,6 +187,10 @@ class Csa2Plan:
     top_k: Annotated[_int(1, MAX_SEQ), _doc("older entries the indexer selects per query")] = 256
     sinks: Annotated[Optional[Bool], _doc("None: keep each layer's own (e.g. from the sinks stage)")] = None
     sink_tokens: Annotated[_int(0, MAX_SEQ), _doc("non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)")] = 0
+    index_head_dim: Annotated[Optional[_int(2, MAX_WIDTH)], _doc(
+        "width of the index key cached per token (even: RoPE pairs); None: the attention head width (the indexer starts "
+        "exactly as the source's attention logits); narrower: the frequency pairs with the most query-key energy keep "
+        "RoPE, leaving cache for a wider latent")] = None
     refine_entry_bias: Annotated[Bool, _doc("move each head's entry bias to minimise its read-out error (down to off)")] = False
     reader_ridge: Annotated[_number(MAX_RIDGE), _doc("reader least squares, relative to mean diag(C^T C)")] = 1e-3
     refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa layers refit to the source's attention output")] = True
@@ -400,6 +404,11 @@ class ConversionPlan:
                 default_sources(modes)
             except ValueError as err:
                 raise PlanError(f"csa2.layers: {err}") from err
+            head_dim = attention_head_dim(config)
+            width = self.csa2.index_head_dim
+            if width is not None and (width % 2 or width > head_dim):
+                raise PlanError(f"csa2.index_head_dim={width}; allowed: an even number 2..{head_dim} (the attention head "
+                                "width: RoPE pairs of it), or null")
 
     def _validate_mla_for(self, config) -> None:
         kv = self.gqa.num_key_value_heads if self.gqa is not None else (

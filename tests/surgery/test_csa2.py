@@ -11,7 +11,8 @@ from tiny_models import ARCHS, VOCAB, save_tiny_source, tiny_model
 from hf_csa2.cli import main as cli_main
 from hf_csa2.evals.round_trip import round_trip
 from hf_csa2.model import Csa2FullAttention, Csa2ReaderAttention
-from hf_csa2.surgery.csa2 import apply_csa2, fit_entry_reader
+from hf_csa2.metrics.kv_cache import config_kv_elements_per_token
+from hf_csa2.surgery.csa2 import apply_csa2, as_dense_csa2, fit_entry_reader, index_pair_energy
 from hf_csa2.surgery.pipeline import convert
 from hf_csa2.surgery.plan import ConversionPlan, Csa2Plan, MlaPlan, PlanError, default_sources
 
@@ -196,3 +197,34 @@ def test_calibration_windows_must_be_longer_than_the_csa2_window():
     with pytest.raises(ValueError, match="longer than the layer's window"):
         apply_csa2(tiny_model("llama", num_layers=2), *tiny_plans(["full", "reuse"], window=48, indexer_warmup_steps=5),
                    windows=windows())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_a_narrow_index_key_keeps_the_pairs_with_the_most_query_key_energy(arch):
+    """index_head_dim < head width: the full layer caches a narrower index key, its RoPE pairs are
+    the top pairs by E|q|^2 E|k|^2, and the training-free index rows are the source's query/key
+    rows of those pairs (so each index head's dot product is that part of the attention logit)."""
+    src, wide, _ = convert_tiny(arch, ["full", "reuse"])
+    _, narrow, report = convert_tiny(arch, ["full", "reuse"], index_head_dim=4)
+    spec = narrow.config.attention_layers[0]
+    d = wide.config.attention_layers[0]["index_head_dim"]
+    assert d == 12 and spec["index_head_dim"] == 4 and len(spec["index_rope_pairs"]) == 2
+    energy = index_pair_energy(as_dense_csa2(src), windows()[:4], [0])
+    assert list(spec["index_rope_pairs"]) == sorted(torch.argsort(energy, descending=True)[:2].tolist())
+    assert config_kv_elements_per_token(wide.config) - config_kv_elements_per_token(narrow.config) == d - 4
+    attn, indexer = src.model.layers[0].self_attn, narrow.model.layers[0].self_attn.indexer
+    group, per, half = report.layers[0].index_group, 4 // src.config.num_key_value_heads, 6
+    dims = list(spec["index_rope_pairs"]) + [p + half for p in spec["index_rope_pairs"]]
+    q_rows = attn.q_proj.weight.view(4, 12, -1)[group * per : (group + 1) * per, dims]
+    k_rows = attn.k_proj.weight.view(-1, 12, 48)[group, dims]
+    assert torch.equal(indexer.wq.weight, q_rows.reshape(per * 4, -1)) and torch.equal(indexer.wk.weight, k_rows)
+    x = windows(1, 40, seed=5)
+    with torch.no_grad():
+        assert torch.isfinite(narrow(x, labels=x).loss)
+
+
+def test_index_head_dim_is_checked_against_the_model():
+    plan = ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
+                                     "csa2": {"layers": ["full", "reuse"], "index_head_dim": 3}})
+    with pytest.raises(PlanError, match=r"csa2.index_head_dim=3; allowed: an even number 2\.\."):
+        plan.validate_for(tiny_model("llama").config)

@@ -107,6 +107,30 @@ def test_perturbation_scores_are_zero_exactly_when_a_component_carries_nothing()
     assert split.pairs == [[0], [0]]
 
 
+def test_perturbation_scores_over_chosen_query_positions_equal_a_direct_sum():
+    """The blocked score over a subset of query positions equals the direct fp64 sum over those
+    queries of p(t, j) * (logit change at (t, j))^2, every key j <= t included; a frequency that
+    only rotates noticeably far away scores 0 from the first query positions and > 0 from late ones."""
+    gen = torch.Generator().manual_seed(3)
+    n, hq, h, t, f = 1, 2, 1, 40, 2
+    q = torch.complex(torch.randn(n, hq, t, f, generator=gen), torch.randn(n, hq, t, f, generator=gen))
+    k = torch.complex(torch.randn(n, h, t, f, generator=gen), torch.randn(n, h, t, f, generator=gen))
+    inv = torch.tensor([0.7, 0.02])
+    chosen = torch.tensor([0, 9, 25, 39])
+    got = rope_component_scores(q, k, inv, 0.5, query_positions=chosen)
+    want = torch.zeros(h, f, dtype=torch.float64)
+    for r in range(hq):
+        for tq in chosen.tolist():
+            js = torch.arange(tq + 1)
+            rot = torch.polar(torch.ones((), dtype=torch.float64), (tq - js).double()[:, None] * inv.double())  # [J, F]
+            prod = q[0, r, tq].cdouble()[None] * k[0, 0, js].cdouble().conj()  # [J, F]
+            p = torch.softmax((prod * rot).real.sum(-1) * 0.5, dim=0)
+            want[0] += (p[:, None] * ((prod * (rot - 1)).real * 0.5).pow(2)).sum(0)
+    assert torch.allclose(got, want, rtol=1e-4)
+    early = rope_component_scores(q, k, torch.tensor([0.7, 0.0]), 0.5, query_positions=torch.arange(4))
+    assert early[0, 1] == 0 and rope_component_scores(q, k, inv, 0.5, query_positions=torch.tensor([39]))[0, 1] > 0
+
+
 def test_activation_aware_latent_is_closer_to_the_source_than_weight_svd():
     """On a tiny random model ppl means little; the logits' distance to the source is what the
     init optimises (same rope slots, no o_proj refit). The SmolLM2 ppl comparison is in

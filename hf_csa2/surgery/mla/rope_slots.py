@@ -90,13 +90,14 @@ ROPE_SCORE_BLOCK = 1 << 22
 @torch.no_grad()
 def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                           criterion: str = "perturbation", mixing: torch.Tensor | None = None,
-                          weights: torch.Tensor | None = None) -> torch.Tensor:
+                          weights: torch.Tensor | None = None, query_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Importance of keeping RoPE on each key component at each frequency: [H, F] (higher = keep).
 
     Components are the KV heads themselves (``mixing`` None) or the mixed components of
     :func:`head_mixing`. q [N, HQ, T, F], k [N, H, T, F] complex (pre-RoPE pairs).
     ``perturbation``: attention-weighted E[(logit change when the component loses RoPE)^2]
-    under the source's own attention; ``norm``: E|q| E|k| (MHA2MLA's 2-norm).
+    under the source's own attention, over the queries at ``query_positions`` (default: all T)
+    each against every key it sees; ``norm``: E|q| E|k| (MHA2MLA's 2-norm).
     """
     if criterion not in ROPE_CRITERIA:
         raise ValueError(f"criterion={criterion!r}; allowed: {', '.join(ROPE_CRITERIA)}")
@@ -117,20 +118,22 @@ def rope_component_scores(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tens
         return scores
     t = q.shape[2]
     pos = torch.arange(t, dtype=torch.float32)
-    delta = pos[:, None] - pos[None, :]  # [T, T] query minus key position
-    causal = delta >= 0
-    angle = delta[..., None] * inv_freq.float()  # [T, T, F]
-    rotation = torch.polar(torch.ones(()), angle)
+    queries = torch.arange(t) if query_positions is None else query_positions.long()
     rows = max(1, ROPE_SCORE_BLOCK // ((1 if mixing is None else h) * t * q.shape[-1]))
+    # Blocks of query positions bound the [J', rows, T, F] products and the rotations.
+    blocks = []
+    for b in queries.split(rows):
+        delta = b.float()[:, None] - pos[None, :]  # [rows, T] query minus key position
+        blocks.append((b, delta >= 0, torch.polar(torch.ones(()), delta[..., None] * inv_freq.float())))
     for r in range(hq):
         g = r // group
         js = [g] if mixing is None else list(range(h))  # components this query head reads
         for n in range(q.shape[0]):
-            for t0 in range(0, t, rows):  # blocks of query positions bound the [J', rows, T, F] products
-                qr, rot = q[n, r, t0 : t0 + rows], rotation[t0 : t0 + rows]
+            for b, causal, rot in blocks:
+                qr = q[n, r, b]
                 # The source attention weights decide which (query, key) position pairs matter.
                 logits = ((qr[:, None, :] * k[n, g].conj()[None, :, :]) * rot).real.sum(-1) * scaling
-                p = torch.softmax(logits.masked_fill(~causal[t0 : t0 + rows], float("-inf")), dim=-1)[..., None]
+                p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)[..., None]
                 qj = qr[None] * coef[:, g, js].T[:, None, :]  # [J', rows, F]
                 prod = qj[:, :, None, :] * comps[n, js].conj()[:, None, :, :]  # [J', rows, T, F]
                 change = (prod * (rot - 1)).real * scaling  # logit change if the component loses RoPE
@@ -149,12 +152,13 @@ class RopeScores:
 
 
 def score_rope_slots(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scaling: float, shared: bool,
-                     criterion: str = "perturbation") -> RopeScores:
+                     criterion: str = "perturbation", query_positions: torch.Tensor | None = None) -> RopeScores:
     """Scores of one layer from its calibration queries/keys (complex pairs [N, H(Q), T, F])."""
     mixing = weights = None
     if shared and k.shape[1] > 1:
         mixing, weights = head_mixing(q, k)
-    return RopeScores(rope_component_scores(q, k, inv_freq, scaling, criterion, mixing, weights), mixing, weights)
+    return RopeScores(rope_component_scores(q, k, inv_freq, scaling, criterion, mixing, weights, query_positions),
+                      mixing, weights)
 
 
 def frequency_counts(scores: torch.Tensor, num_slots: int) -> dict[int, int]:
@@ -204,11 +208,16 @@ def choose_rope_split(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, 
 
 
 def layer_rope_scores(attn, hidden: torch.Tensor, inv_freq: torch.Tensor, shared: bool,
-                      criterion: str = "perturbation", max_tokens: int = 256) -> RopeScores:
-    """:func:`score_rope_slots` from a dense layer's input [N, T, hidden] (first ``max_tokens``
-    positions of each window: the perturbation score costs O(T^2))."""
-    q, k = pre_rope_qk(attn, hidden[:, :max_tokens])
-    return score_rope_slots(_complex_pairs(q), _complex_pairs(k), inv_freq, attn.scaling, shared, criterion)
+                      criterion: str = "perturbation", max_queries: int = 256) -> RopeScores:
+    """:func:`score_rope_slots` from a dense layer's input [N, T, hidden]. The perturbation score
+    costs O(queries x T): it takes ``max_queries`` query positions spread evenly over the whole
+    window, each against every key it sees, so distances up to the window's length count (the
+    first positions alone would only show short distances, where low frequencies barely
+    rotate and look free to drop; a fact read back from far away is where they matter)."""
+    q, k = pre_rope_qk(attn, hidden)
+    t = q.shape[2]
+    queries = None if t <= max_queries else torch.linspace(0, t - 1, max_queries).round().long().unique()
+    return score_rope_slots(_complex_pairs(q), _complex_pairs(k), inv_freq, attn.scaling, shared, criterion, queries)
 
 
 def layer_inv_freq(model, layer_idx: int, head_dim: int) -> torch.Tensor:
