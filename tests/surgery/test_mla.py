@@ -217,6 +217,7 @@ def test_the_fit_report_holds_typed_layer_fits_and_the_stage_notes():
     plan = MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4)
     model, report = apply_mla(src, plan, windows=fit, only_layers=[1])
     assert report.plan is plan and len(report.rope_splits) == 2 and report.rope_splits[1].slots is not None
+    assert report.rope_splits[0] is None  # a layer left dense is not scored
     assert report.layers[0] is None and isinstance(report.layers[1], MlaLayerFit)
     layer = report.layers[1]
     assert layer.balance in (0.25, 0.5, 1.0, 2.0, 4.0) and layer.rel_err_after <= layer.rel_err_before + 1e-9
@@ -226,7 +227,8 @@ def test_the_fit_report_holds_typed_layer_fits_and_the_stage_notes():
     assert report.stage_notes() == {"init": "activation_aware", "rope_key": "shared", "rope_criterion": "perturbation",
                                     "attn_out_rel_err_before_refit": layer.rel_err,
                                     "attn_out_rel_err_after_refit": layer.rel_err_after}
-    _, svd = apply_mla(src, MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4, init="weight_svd"), splits=report.rope_splits)
+    _, svd = apply_mla(src, MlaPlan(kv_lora_rank=6, qk_rope_head_dim=4, init="weight_svd"), splits=report.rope_splits,
+                     only_layers=[1])
     assert svd.layers == [None, None] and svd.rope_splits is report.rope_splits
     assert svd.stage_notes() == {"init": "weight_svd", "rope_key": "shared", "rope_criterion": "perturbation"}
 

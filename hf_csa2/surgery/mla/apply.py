@@ -46,7 +46,7 @@ class MlaFitReport:
     a layer outside ``only_layers``)."""
 
     plan: MlaPlan
-    rope_splits: list[RopeSplit]
+    rope_splits: list[RopeSplit | None]  # None: a layer outside only_layers
     layers: list[MlaLayerFit | None]
 
     def fitted(self) -> list[MlaLayerFit]:
@@ -123,9 +123,9 @@ def apply_mla(model, plan: MlaPlan, *, windows: torch.Tensor | None = None, spli
         else:
             if windows is None:
                 raise ValueError("choosing the rope slots needs calibration windows")
-            splits = choose_splits(model, windows[:4], plan)
-    new_specs = [m if i in converted else s
-                 for i, (s, m) in enumerate(zip(specs, mla_specs(specs, plan.kv_lora_rank, splits, plan.latent_norm)))]
+            splits = choose_splits(model, windows[:4], plan, converted)
+    new_specs = [mla_specs([s], plan.kv_lora_rank, [splits[i]], plan.latent_norm)[0] if i in converted else s
+                 for i, s in enumerate(specs)]
     new = to_csa2(model, new_specs)
     new_layers = decoder_layers(new)
 
@@ -165,23 +165,26 @@ def apply_mla(model, plan: MlaPlan, *, windows: torch.Tensor | None = None, spli
     return new, MlaFitReport(plan, splits, calibrate_layerwise(new, windows, fit_layer))
 
 
-def choose_splits(model, windows: torch.Tensor, plan: MlaPlan) -> list[RopeSplit]:
+def choose_splits(model, windows: torch.Tensor, plan: MlaPlan, only_layers: set[int] | None = None) -> list[RopeSplit | None]:
     """Each layer's RoPE decision from the source's queries/keys on ``windows`` [N, T]
-    (``plan.uniform_rope``: the same frequencies in every layer, each layer mixing its own heads)."""
+    (``plan.uniform_rope``: the same frequencies in every layer, each layer mixing its own heads);
+    None for layers outside ``only_layers`` (not scored: the score is the costly part)."""
     d = attention_head_dim(model.config)
     shared, num_pairs = plan.rope_key == "shared", plan.qk_rope_head_dim // 2
     scored: list[RopeScores | None] = [None] * len(decoder_layers(model))
 
     def make_hook(i):
         def hook(attn, args, kwargs):
+            if only_layers is not None and i not in only_layers:
+                return
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             scored[i] = layer_rope_scores(attn, hidden, layer_inv_freq(model, i, d), shared, plan.rope_criterion)
 
         return hook
 
     run_with_attention_hooks(model, windows, lambda i, a: a.register_forward_pre_hook(make_hook(i), with_kwargs=True))
-    counts = uniform_frequency_counts(scored, num_pairs) if plan.uniform_rope else None
-    return [split_from_scores(sc, num_pairs, shared, counts) for sc in scored]
+    counts = uniform_frequency_counts([sc for sc in scored if sc is not None], num_pairs) if plan.uniform_rope else None
+    return [None if sc is None else split_from_scores(sc, num_pairs, shared, counts) for sc in scored]
 
 
 __all__ = ["MlaFitReport", "MlaLayerFit", "apply_mla", "choose_splits", "mla_specs"]
