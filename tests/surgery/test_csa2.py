@@ -209,7 +209,21 @@ def test_a_narrow_index_key_keeps_the_pairs_with_the_most_query_key_energy(arch)
     spec = narrow.config.attention_layers[0]
     d = wide.config.attention_layers[0]["index_head_dim"]
     assert d == 12 and spec["index_head_dim"] == 4 and len(spec["index_rope_pairs"]) == 2
-    energy = index_pair_energy(as_dense_csa2(src), windows()[:4], [0])
+    # The pair energies recomputed here from the source's own projections (QK-norm applied where the
+    # architecture has it), not through the function under test.
+    attn0, seen = src.model.layers[0].self_attn, {}
+    hooks = [attn0.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["hidden_states"]), with_kwargs=True)]
+    with torch.no_grad():
+        src(windows()[:4])
+    hooks[0].remove()
+    x = seen["x"]
+    q = attn0.q_proj(x).view(*x.shape[:2], -1, 12)
+    k = attn0.k_proj(x).view(*x.shape[:2], -1, 12)
+    if getattr(attn0, "q_norm", None) is not None:
+        q, k = attn0.q_norm(q), attn0.k_norm(k)
+    eq, ek = [(t[..., :6] ** 2 + t[..., 6:] ** 2).double().mean((0, 1)) for t in (q, k)]  # [heads, 6]
+    energy = (eq * ek.repeat_interleave(eq.shape[0] // ek.shape[0], dim=0)).sum(0)
+    assert torch.allclose(index_pair_energy(as_dense_csa2(src), windows()[:4], [0]), energy, rtol=1e-5)
     assert list(spec["index_rope_pairs"]) == sorted(torch.argsort(energy, descending=True)[:2].tolist())
     assert config_kv_elements_per_token(wide.config) - config_kv_elements_per_token(narrow.config) == d - 4
     attn, indexer = src.model.layers[0].self_attn, narrow.model.layers[0].self_attn.indexer
