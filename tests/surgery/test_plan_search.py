@@ -77,7 +77,8 @@ def test_lazy_greedy_with_full_refresh_is_the_plain_greedy(weights, stop_at):
     # best other stale candidate) still makes the plain greedy's choices
     lazy = greedy_demotion(range(n), lambda f: lazy_calls.append(f) or loss(f), lambda full: len(full) <= stop_at,
                            refresh=1)
-    assert lazy == path
+    # equal losses may break ties differently (hypothesis found weights with two demotions of equal loss)
+    assert [round(l, 9) for _, l in lazy] == [round(l, 9) for _, l in path]
     assert len(lazy_calls) <= len(calls)
 
 
