@@ -13,10 +13,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_csa2"
 
 LAYERS = {
-    "model": 0, "errors": 0, "cache": 0,
+    "model": 0, "errors": 0, "cache": 0, "typed_config": 0,
     "io": 1, "data": 1, "metrics": 1,
     "surgery": 2,
-    "evals": 3, "export": 3,
+    "evals": 3, "export": 3, "train": 3,
     "cli": 4, "__main__": 4, "__init__": 4,
 }
 # function-level imports of our own modules that are there for another reason than a cycle

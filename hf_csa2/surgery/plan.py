@@ -21,15 +21,30 @@ import dataclasses
 import typing
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional
 
-import annotated_types
 import yaml
-from pydantic import ConfigDict, Field, Strict, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 from pydantic_core import ArgsKwargs
 
 from ..errors import UserError
+from ..typed_config import (
+    CONFIG,
+    Bool,
+    Text,
+    allowed,
+    check_keys,
+    describe,
+    doc,
+    field_info,
+    field_names,
+    int_in,
+    number_in,
+    set_fields as set_typed_fields,
+    unwrap as _unwrap,
+    yaml_hint as _yaml_hint,
+)
 from ..model.configuration_hf_csa2 import (
     CSA2_MODES,
     QK_NORM_BASE_MODEL_TYPES,
@@ -59,24 +74,10 @@ class PlanError(UserError, ValueError):
     """A plan field has a bad value; the message names the field and the allowed values."""
 
 
-def _int(low: int, high: int):
-    return Annotated[int, Strict(), Field(ge=low, le=high)]
-
-
-def _number(high: float, *, positive: bool = True):
-    bound = Field(gt=0, le=high) if positive else Field(ge=0, le=high)
-    return Annotated[float, Strict(), bound]
-
-
-Bool = Annotated[bool, Strict()]
-Text = Annotated[str, Strict(), Field(min_length=1)]
-
-def _doc(text: str):
-    """A field's meaning, kept in the JSON schema (docs/plans.md is generated from it)."""
-    return Field(description=text)
-
-
-_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=False)
+_int = int_in
+_number = number_in
+_doc = doc
+_CONFIG = CONFIG
 
 
 @dataclass(config=_CONFIG)
@@ -291,8 +292,8 @@ class ConversionPlan:
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise PlanError(f"a plan must be a mapping of sections ({', '.join(_field_names(cls))}), got {data!r}")
-        _check_keys(data, "plan")
+            raise PlanError(f"a plan must be a mapping of sections ({', '.join(field_names(cls))}), got {data!r}")
+        check_keys(data, "plan", PlanError, "plan")
         data = dict(data)
         if data.get("sinks") is True:
             data["sinks"] = {}
@@ -303,7 +304,7 @@ class ConversionPlan:
         try:
             return _ADAPTER.validate_python(data)
         except ValidationError as err:
-            raise PlanError(_describe(err)) from None
+            raise PlanError(describe(err, ConversionPlan, "plan")) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ConversionPlan":
@@ -485,154 +486,18 @@ def plan_fields(section: str = "") -> list[PlanField]:
 def set_fields(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
     """Plan mapping ``data`` with ``SECTION.FIELD=VALUE`` assignments applied (VALUE is read as
     YAML: ``3``, ``1.0e-4``, ``true``, ``[full, reuse]``); the plan built from it validates them."""
-    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (data or {}).items()}
-    for item in assignments:
-        key, sep, text = item.partition("=")
-        path = key.strip().split(".")
-        if not sep or not all(path) or len(path) > 2:
-            raise PlanError(f"--set {item!r}; allowed: SECTION.FIELD=VALUE or FIELD=VALUE, e.g. gqa.ridge=0.5 or "
-                            "context=4096")
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            raise PlanError(f"--set {item!r}: the value is not valid YAML") from None
-        if len(path) == 1:
-            data[path[0]] = value
-            continue
-        section = data.get(path[0])
-        if section is None or section is True:
-            section = {}
-        if not isinstance(section, dict):
-            raise PlanError(f"--set {item!r}: plan section {path[0]!r} is {section!r}, not a mapping")
-        data[path[0]] = {**section, path[1]: value}
-    return data
+    return set_typed_fields(data, assignments, PlanError,
+                                   "SECTION.FIELD=VALUE or FIELD=VALUE, e.g. gqa.ridge=0.5 or context=4096")
+
 
 # -- error messages ------------------------------------------------------------------------
 
-def _field_names(cls) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
-
-
-def _check_keys(data: Any, where: str) -> None:
-    """YAML allows non-string keys (``1: x``, ``null: y``); a plan's keys are field names."""
-    if isinstance(data, dict):
-        for key, value in data.items():
-            if not isinstance(key, str):
-                raise PlanError(f"{where} has the key {key!r}; allowed: field names (strings)")
-            _check_keys(value, f"{where}.{key}" if where != "plan" else key)
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            _check_keys(value, f"{where}[{i}]")
-
-
-def _path(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
-def _unwrap(annotation):
-    """The dataclass or base type behind Optional[...] / Annotated[...]."""
-    while True:
-        origin = typing.get_origin(annotation)
-        if origin is Annotated:
-            annotation = typing.get_args(annotation)[0]
-        elif origin is Union:
-            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-        else:
-            return annotation
-
-
-def _inner_metadata(annotation) -> list:
-    """Constraints of an Annotated type inside Optional[...] (pydantic keeps them there)."""
-    found = []
-    for arg in typing.get_args(annotation) if typing.get_origin(annotation) is Union else []:
-        if typing.get_origin(arg) is Annotated:
-            found += list(typing.get_args(arg)[1:])
-    return found
-
-
 def _field_info(loc: tuple):
-    """``(annotation, constraints)`` of the plan field at ``loc``, or None."""
-    cls, info = ConversionPlan, None
-    for part in loc:
-        if isinstance(part, int) or not dataclasses.is_dataclass(cls):
-            continue
-        info = cls.__pydantic_fields__.get(part)
-        if info is None:
-            return None
-        cls = _unwrap(info.annotation)
-    return info
+    return field_info(ConversionPlan, loc)
 
 
 def _allowed(loc: tuple) -> str:
-    """Words for what the field at ``loc`` allows, from its annotation and bounds."""
-    info = _field_info(loc)
-    if info is None:
-        return ""
-    base = _unwrap(info.annotation)
-    bounds = {}
-    for meta in [*info.metadata, *_inner_metadata(info.annotation)]:
-        for item in getattr(meta, "metadata", [meta]):  # FieldInfo objects nest their constraints
-            for name in ("ge", "gt", "le"):
-                if isinstance(item, getattr(annotated_types, name.capitalize())):
-                    bounds[name] = getattr(item, name)
-    if typing.get_origin(base) is list:
-        base = typing.get_args(base)[0]
-        prefix = "a list of "
-    else:
-        prefix = ""
-    if typing.get_origin(base) is Literal:
-        return prefix + ", ".join(str(v) for v in typing.get_args(base))
-    if base is bool:
-        return "true or false (a YAML boolean, unquoted)"
-    if base is str:
-        return "a non-empty string"
-    if dataclasses.is_dataclass(base):
-        return f"a mapping with the fields {', '.join(_field_names(base))}"
-    kind = "an integer" if base is int else "a finite number"
-    low = f" >= {bounds['ge']}" if "ge" in bounds else (f" > {bounds['gt']}" if "gt" in bounds else "")
-    high = f" and <= {_number_text(bounds['le'])}" if "le" in bounds else ""
-    return kind + low + high
-
-
-def _number_text(value) -> str:
-    return str(value) if isinstance(value, int) else f"{value:g}"
-
-
-def _yaml_hint(value) -> str:
-    """PyYAML (YAML 1.1) reads ``1e-4`` and ``1e11`` as text: say how to write the number."""
-    if isinstance(value, str):
-        try:
-            number = float(value)
-        except ValueError:
-            return ""
-        return f" (YAML reads {value} as text; write it with a dot, e.g. {number:.1e})"
-    return ""
-
-
-def _describe(err: ValidationError) -> str:
-    """One line for all of a ValidationError's problems."""
-    parts = []
-    for e in err.errors():
-        loc = tuple(e["loc"])
-        where = _path(loc) or "plan"
-        if e["type"] == "value_error":  # our own checks across fields already name them
-            parts.append(str(e["msg"]).removeprefix("Value error, "))
-        elif e["type"] == "unexpected_keyword_argument":
-            parent = _field_info(loc[:-1])
-            section = ConversionPlan if parent is None else _unwrap(parent.annotation)
-            names = _field_names(section) if dataclasses.is_dataclass(section) else []
-            parts.append(f"unknown key {loc[-1]!r} in {_path(loc[:-1]) or 'plan'}; allowed: {', '.join(names)}")
-        elif e["type"] == "missing":
-            parts.append(f"{_path(loc[:-1]) or 'plan'} needs the field {loc[-1]!r} ({_allowed(loc)})")
-        else:
-            value = e.get("input")
-            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-            problem = "not a mapping" if e["type"] == "dataclass_type" else e["msg"][:1].lower() + e["msg"][1:]
-            parts.append(f"{where}={shown}: {problem}; allowed: {_allowed(loc)}{_yaml_hint(value)}")
-    return "; ".join(parts)
+    return allowed(ConversionPlan, loc)
 
 
 __all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "DistillPlan", "GqaPlan", "MlaPlan", "PlanError", "PlanField",

@@ -1,0 +1,303 @@
+"""Every shipped preset against its source, on both held-out corpora and by its answers: one command
+refreshes docs/presets.md (and, with ``--headers``, the measured block in each preset's header).
+
+    python scripts/preset_table.py [--presets NAME,...] [--steps convert,ppl,answers,needle,ppl-long]
+        [--work runs/preset_table] [--out docs/presets.md] [--headers] [--render-only]
+
+Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert SOURCE`` line):
+  convert   the plan converted and saved to WORK/NAME (its stage report: calib ppl, KV elements/token)
+  ppl       held-out ppl on python-docs:heldout and fortunes:heldout, 4 x 2,048 tokens
+  answers   the answer check (facts planted far / near, asked back, teacher-forced exact match),
+            20 facts per depth, at 512 and 2,048 tokens on both corpora
+  needle    the needle suite (six capabilities, depths 0 / 0.5 / 1, 7 per cell = 21 per capability
+            and length) at 512 and 2,048 tokens; chat template for instruct sources, completion
+            mode for base models
+  ppl-long  held-out ppl on both corpora at the longest context the source supports, up to 8,192
+            tokens (2 windows)
+The source runs every measurement too; every measurement is deterministic (greedy, fixed windows),
+so ratios to a source measured earlier by this script are the ratios of one run. Results are kept in
+WORK/results.json with the commit that made them: an interrupted refresh resumes where it stopped,
+``--fresh`` starts again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from hf_csa2.data.corpus import read_text, resolve_text
+from hf_csa2.data.windows import token_windows
+from hf_csa2.evals.needle import CATEGORIES, generate_samples
+from hf_csa2.evals.needle_eval import generate_answers, score_records
+from hf_csa2.io.sources import load_source
+from hf_csa2.metrics.answer_check import answer_check, make_probes
+from hf_csa2.metrics.perplexity import mean_nll
+from hf_csa2.surgery.pipeline import convert
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPORA = ("python-docs:heldout", "fortunes:heldout")
+STEPS = ("convert", "ppl", "answers", "needle", "ppl-long")
+ANSWER_CONTEXTS = (512, 2048)
+NEEDLE_LENGTHS = (512, 2048)
+NEEDLE_DEPTHS = (0.0, 0.5, 1.0)
+NEEDLE_PER_CELL = 7
+PPL_WINDOW, PPL_WINDOWS = 2048, 4
+LONG_MAX, LONG_WINDOWS = 8192, 2
+BEGIN, END = "# >>> measured by scripts/preset_table.py", "# <<< measured"
+
+
+def preset_source(path: Path) -> str:
+    """The SOURCE of the ``hf-csa2 convert SOURCE --plan conversion/<name>.yaml`` line in a preset
+    header (its own, or a sibling's that documents it)."""
+    pattern = r"hf-csa2 convert (\S+) --plan conversion/" + re.escape(path.name)
+    for text in [path.read_text()] + [p.read_text() for p in sorted(path.parent.glob("*.yaml"))]:
+        if m := re.search(pattern, text):
+            return m.group(1)
+    raise SystemExit(f"{path}: no 'hf-csa2 convert SOURCE --plan {path}' line in any preset header")
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "hf_csa2"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+class Results:
+    """results.json: {model: {measure: value}}; written after every measurement."""
+
+    def __init__(self, path: Path, fresh: bool):
+        self.path = path
+        self.data = {} if fresh or not path.exists() else json.loads(path.read_text())
+
+    def has(self, model: str, measure: str) -> bool:
+        return measure in self.data.get(model, {})
+
+    def get(self, model: str, measure: str, default=None):
+        return self.data.get(model, {}).get(measure, default)
+
+    def put(self, model: str, measure: str, value) -> None:
+        self.data.setdefault(model, {})[measure] = {"value": value, "commit": commit(),
+                                                   "date": time.strftime("%Y-%m-%d")}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.replace(self.path)
+
+
+def long_context(config) -> int:
+    return min(LONG_MAX, int(getattr(config, "max_position_embeddings", LONG_MAX) or LONG_MAX))
+
+
+def use_chat_template(tokenizer, source: str) -> bool:
+    # instruct sources are asked as they are used (chat turns); base models in completion mode
+    return bool(getattr(tokenizer, "chat_template", None)) and "instruct" in resolve_name(source).lower()
+
+
+def resolve_name(source: str) -> str:
+    from hf_csa2.io.sources import ALIASES
+    alias = ALIASES.get(source)
+    return alias.filename if alias is not None else source
+
+
+def measure(results: Results, key: str, model, tokenizer, source: str, steps: list[str], log) -> None:
+    if getattr(model.config, "csa2_read_path", None):
+        model.config.csa2_read_path = "scores"  # exact like "gather", much faster at these lengths
+    if "ppl" in steps:
+        for corpus in CORPORA:
+            m = f"ppl {corpus} {PPL_WINDOW}x{PPL_WINDOWS}"
+            if not results.has(key, m):
+                results.put(key, m, mean_nll(model, token_windows(tokenizer, resolve_text(corpus), PPL_WINDOW, PPL_WINDOWS))["ppl"])
+                log(f"{key}: {m} = {results.get(key, m)['value']:.4f}")
+    if "answers" in steps:
+        for corpus in CORPORA:
+            for c in ANSWER_CONTEXTS:
+                m = f"answers {corpus} {c}"
+                if not results.has(key, m):
+                    probes = make_probes(tokenizer, token_windows(tokenizer, resolve_text(corpus), c, 8), 20)
+                    results.put(key, m, answer_check(model, probes).to_dict())
+                    log(f"{key}: {m} = {results.get(key, m)['value']}")
+    if "needle" in steps:
+        text = read_text(resolve_text("python-docs:heldout"), max_chars=4_000_000)
+        chat = use_chat_template(tokenizer, source)
+        for length in NEEDLE_LENGTHS:
+            m = f"needle {length}"
+            if results.has(key, m):
+                continue
+            samples = generate_samples(tokenizer, text, lengths=(length,), depths=NEEDLE_DEPTHS,
+                                       per_cell=NEEDLE_PER_CELL, seed=0)
+            records = score_records(samples, generate_answers(model, tokenizer, samples, chat_template=chat))
+            results.put(key, m, {"chat_template": chat, "records": [
+                {k: r[k] for k in ("category", "depth", "correct", "output")} for r in records]})
+            log(f"{key}: {m} = {sum(r['correct'] for r in records)}/{len(records)}")
+    if "ppl-long" in steps:
+        n = long_context(model.config)
+        for corpus in CORPORA:
+            m = f"ppl {corpus} {n}x{LONG_WINDOWS}"
+            if not results.has(key, m):
+                results.put(key, m, mean_nll(model, token_windows(tokenizer, resolve_text(corpus), n, LONG_WINDOWS))["ppl"])
+                log(f"{key}: {m} = {results.get(key, m)['value']:.4f}")
+
+
+# -- rendering --------------------------------------------------------------------------
+
+def _ratio(results: Results, key: str, src: str, m: str) -> str:
+    a, b = results.get(key, m), results.get(src, m)
+    return f"{a['value'] / b['value']:.3f}" if a and b else "–"
+
+
+def _answers(results: Results, key: str, m: str) -> str:
+    v = results.get(key, m)
+    return f"{v['value']['far']}/{v['value']['near']}" if v else "–"
+
+
+def _needle(results: Results, key: str, length: int, category: str | None = None) -> str:
+    v = results.get(key, f"needle {length}")
+    if not v:
+        return "–"
+    recs = [r for r in v["value"]["records"] if category is None or r["category"] == category]
+    return f"{sum(r['correct'] for r in recs)}/{len(recs)}"
+
+
+def _ppl_keys(results: Results, src: str) -> tuple[list[str], list[str]]:
+    short = [f"ppl {c} {PPL_WINDOW}x{PPL_WINDOWS}" for c in CORPORA]
+    long_ = [m for c in CORPORA for m in results.data.get(src, {}) if m.startswith(f"ppl {c} ") and m not in short]
+    return short, long_
+
+
+def render(results: Results, presets: dict[str, str]) -> str:
+    by_source: dict[str, list[str]] = {}
+    for name, source in presets.items():
+        by_source.setdefault(source, []).append(name)
+    lines = ["# Presets against their sources", "",
+             "Generated by `python scripts/preset_table.py` (CPU fp32; the source measured by the same script,",
+             "every measurement deterministic). `–`: not measured yet. Ratios are converted / source held-out",
+             "perplexity; answers are far/near facts answered of 20 each (`hf_csa2.metrics.answer_check`);",
+             f"needles are answered/asked over the six capabilities (depths {', '.join(map(str, NEEDLE_DEPTHS))},",
+             f"{NEEDLE_PER_CELL} per cell, haystack python-docs:heldout). Commits: the `commit` of each entry in",
+             "`runs/preset_table/results.json`; conversions in `runs/preset_table/<preset>`.", ""]
+    for source, names in by_source.items():
+        src = f"source:{source}"
+        short, long_ = _ppl_keys(results, src)
+        lines += [f"## {source}", ""]
+        head = (["model", "KV/token at 8K"] + [f"ratio {m.split()[1].split(':')[0]} {m.split()[2]}" for m in short + long_]
+                + [f"answers {c.split(':')[0]}@{n}" for c in CORPORA for n in ANSWER_CONTEXTS]
+                + [f"needle {n}" for n in NEEDLE_LENGTHS])
+        lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+        for key, label in [(src, "source")] + [(n, f"`{n}`") for n in names]:
+            kv = results.get(key, "kv_per_token_8k")
+            row = [label, f"{kv['value']:,.0f}" if kv else "–"]
+            row += ["1" if key == src and results.get(key, m) else _ratio(results, key, src, m) for m in short + long_]
+            row += [_answers(results, key, f"answers {c} {n}") for c in CORPORA for n in ANSWER_CONTEXTS]
+            row += [_needle(results, key, n) for n in NEEDLE_LENGTHS]
+            lines.append("| " + " | ".join(row) + " |")
+        lines += ["", f"Needles per capability ({source}; answered/asked at 512 | 2,048 tokens):", "",
+                  "| model | " + " | ".join(CATEGORIES) + " |", "|---|" + "---:|" * len(CATEGORIES)]
+        for key, label in [(src, "source")] + [(n, f"`{n}`") for n in names]:
+            cells = [" / ".join(_needle(results, key, n, c) for n in NEEDLE_LENGTHS) for c in CATEGORIES]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        src_ppl = [f"{m.split()[1]} {m.split()[2]}: {results.get(src, m)['value']:.3f}" for m in short + long_
+                   if results.get(src, m)]
+        if src_ppl:
+            lines += ["", "Source ppl: " + "; ".join(src_ppl) + "."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def header_block(results: Results, name: str, source: str) -> list[str]:
+    src = f"source:{source}"
+    short, long_ = _ppl_keys(results, src)
+    ratios = [f"{m.split()[1]} {m.split()[2]} {_ratio(results, name, src, m)}" for m in short + long_]
+    answers = [f"{c.split(':')[0]}@{n} {_answers(results, name, f'answers {c} {n}')} "
+               f"(source {_answers(results, src, f'answers {c} {n}')})" for c in CORPORA for n in ANSWER_CONTEXTS]
+    needles = [f"{n}: {_needle(results, name, n)} (source {_needle(results, src, n)})" for n in NEEDLE_LENGTHS]
+    commits = sorted({e["commit"] for e in results.data.get(name, {}).values()})
+    return [BEGIN + f" ({', '.join(commits) or 'not yet'}; docs/presets.md has the table and the per-capability needles)",
+            "#   held-out ppl ratio to the source: " + "; ".join(ratios),
+            "#   answer check far/near of 20: " + "; ".join(answers),
+            "#   needles answered (6 capabilities x 21): " + "; ".join(needles),
+            END]
+
+
+def write_header(path: Path, block: list[str]) -> None:
+    lines = path.read_text().splitlines()
+    if BEGIN.split(" (")[0] in "\n".join(lines):
+        start = next(i for i, line in enumerate(lines) if line.startswith(BEGIN))
+        end = next(i for i, line in enumerate(lines) if line.startswith(END))
+        lines[start:end + 1] = block
+    else:
+        first = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+        lines[first:first] = block
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", help="comma-separated preset names (default: every conversion/*.yaml)")
+    parser.add_argument("--steps", default=",".join(STEPS))
+    parser.add_argument("--work", default="runs/preset_table")
+    parser.add_argument("--out", default="docs/presets.md")
+    parser.add_argument("--headers", action="store_true", help="rewrite the measured block of each preset header")
+    parser.add_argument("--render-only", action="store_true")
+    parser.add_argument("--fresh", action="store_true", help="forget earlier results")
+    args = parser.parse_args()
+    steps = args.steps.split(",")
+    if bad := [s for s in steps if s not in STEPS]:
+        raise SystemExit(f"--steps {bad}; allowed: {', '.join(STEPS)}")
+    paths = sorted((ROOT / "conversion").glob("*.yaml"))
+    if args.presets:
+        wanted = args.presets.split(",")
+        paths = [p for p in paths if p.stem in wanted]
+        if missing := set(wanted) - {p.stem for p in paths}:
+            raise SystemExit(f"--presets: no conversion/{sorted(missing)[0]}.yaml")
+    presets = {p.stem: preset_source(p) for p in paths}
+    work = Path(args.work)
+    results = Results(work / "results.json", args.fresh)
+
+    def log(msg: str) -> None:
+        print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+    if not args.render_only:
+        for source in dict.fromkeys(presets.values()):
+            loaded = load_source(source)
+            measure(results, f"source:{source}", loaded.model, loaded.tokenizer, source, steps, log)
+            del loaded
+            gc.collect()
+            for name in [n for n, s in presets.items() if s == source]:
+                out = work / name
+                if "convert" in steps and not (out / "conversion_report.json").exists():
+                    t0 = time.perf_counter()
+                    result = convert(source, ROOT / "conversion" / f"{name}.yaml", out_dir=out, overwrite=True,
+                                     log=lambda s: None)
+                    stages = result.report
+                    results.put(name, "convert", {"seconds": round(time.perf_counter() - t0),
+                                                  "calib_ppl": [s.calib_ppl for s in stages],
+                                                  "answer_check": [s.answer_check for s in stages]})
+                    results.put(name, "kv_per_token_8k", stages[-1].kv_elements_per_token)
+                    results.put(f"source:{source}", "kv_per_token_8k", stages[0].kv_elements_per_token)
+                    log(f"{name}: converted in {time.perf_counter() - t0:.0f} s")
+                    del result
+                    gc.collect()
+                if not (out / "conversion_report.json").exists():
+                    continue
+                loaded = load_source(out)
+                measure(results, name, loaded.model, loaded.tokenizer, source, steps, log)
+                del loaded
+                gc.collect()
+                (ROOT / args.out).write_text(render(results, presets))
+    (ROOT / args.out).write_text(render(results, presets))
+    if args.headers:
+        for name, source in presets.items():
+            write_header(ROOT / "conversion" / f"{name}.yaml", header_block(results, name, source))
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main()
