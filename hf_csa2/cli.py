@@ -2,6 +2,7 @@
 
     hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] [--set S.F=V] --out DIR
     hf-csa2 distill SOURCE CONVERTED --out DIR [--steps N] [--lr X] [--trainable attention|all]
+    hf-csa2 train RECIPE.yaml [--set FIELD=VALUE ...] [--out DIR] [--resume [DIR]] [--overwrite]
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
     hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]
@@ -60,6 +61,8 @@ from .metrics.kv_cache import (
     measurement_length,
 )
 from .model.configuration_hf_csa2 import attention_head_dim
+from .train.recipe import RecipeError, load_recipe
+from .train.run import run_recipe
 from .surgery.pipeline import (
     conversion_inputs,
     convert,
@@ -199,6 +202,25 @@ def _distill(args) -> int:
     result = distill_checkpoint(args.source, args.converted, out_dir=args.out, overrides=args.distill_flags.values(args),
                                 overwrite=args.overwrite, log=_log, trust_remote_code=args.trust_remote_code)
     print(format_report_table(result.report))
+    return 0
+
+
+def _train(args) -> int:
+    recipe = load_recipe(args.recipe, args.set or [])
+    resume = args.resume is not None
+    out = args.out or (args.resume if isinstance(args.resume, str) else None)
+    if out is None:
+        out = f"runs/train/{Path(args.recipe).stem}"
+    elif isinstance(args.resume, str) and args.out and Path(args.resume).absolute() != Path(args.out).absolute():
+        raise RecipeError(f"--resume {args.resume!r} and --out {args.out!r} name different folders; give one")
+    report = run_recipe(recipe, out, resume=resume, overwrite=args.overwrite, log=_log)
+    history = [h for h in report["history"] if any(k.endswith("_ppl_ratio") for k in h)]
+    if history:
+        last = history[-1]
+        ratios = ", ".join(f"{k.removeprefix('eval_').removesuffix('_ppl_ratio')} {v:.3f}" for k, v in last.items()
+                           if k.endswith("_ppl_ratio"))
+        print(f"trained {report['steps']} steps ({report['tokens_seen']:,} tokens, {report['seconds']:.0f} s); "
+              f"held-out ppl ratio to the teacher: {ratios}; outputs in {out}")
     return 0
 
 
@@ -503,6 +525,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
     _trust_flag(p)
     p.set_defaults(func=_distill)
+
+    p = sub.add_parser("train", help="uplift a converted checkpoint: distillation toward its source (PEFT + Trainer)")
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="override a recipe field by its dotted path, e.g. --set student=runs/mqa --set optim.lr=2.0e-4")
+    p.add_argument("--out", help="output folder (default runs/train/<recipe name>)")
+    p.add_argument("--resume", nargs="?", const=True, metavar="DIR",
+                   help="continue from the newest checkpoint in --out (or DIR)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
+    p.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="evaluate models").add_subparsers(dest="eval_command", required=True,
                                                                        parser_class=_Parser)

@@ -106,7 +106,7 @@ def allowed(root, loc: tuple) -> str:
                 if isinstance(item, getattr(annotated_types, name.capitalize())):
                     bounds[name] = getattr(item, name)
     if typing.get_origin(base) is list:
-        base = typing.get_args(base)[0]
+        base = unwrap(typing.get_args(base)[0])
         prefix = "a list of "
     else:
         prefix = ""

@@ -1,0 +1,194 @@
+"""Uplift recipes: typed dataclasses mirrored by the YAML files in recipes/ (torchtune/litgpt style).
+
+A recipe says what to train (``student``), toward what (``teacher``), on which text (``data``),
+with which loss, adapter, optimiser and schedule, for how long, and how often to evaluate and
+save. Every field is typed and bounded; a bad recipe (unknown key, wrong type, impossible value)
+fails with one line naming the field and what it allows, before any model is loaded.
+
+Example (recipes/smollm2-mqa.yaml)::
+
+    student: runs/smollm2-mqa          # a converted folder; or a source with `plan:` to convert first
+    data: {text: python-docs:calib, seq_len: 512}
+    loss: {kind: kd, temperature: 1.0}
+    peft: {r: 16, alpha: 32}
+    optim: {lr: 2.0e-4}
+    steps: 400
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import yaml
+from pydantic import Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass
+
+from ..errors import UserError
+from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in, number_in
+from ..typed_config import set_fields as set_typed_fields
+
+LOSSES = ("kd", "kd+lm", "lm")
+SCHEDULES = ("cosine", "linear", "constant")
+TRAINABLE = ("attention", "all")
+MAX_STEPS = 10_000_000
+MAX_SEQ = 1 << 20
+MAX_TOKENS = 1 << 40
+
+
+class RecipeError(UserError, ValueError):
+    """A recipe field has a bad value; the message names the field and the allowed values."""
+
+
+@dataclass(config=CONFIG)
+class DataSpec:
+    """Training text, through the ``datasets`` library: tokenised, packed into ``seq_len`` blocks
+    (documents joined by the EOS token) and cached on disk."""
+
+    text: Annotated[Text, doc("a named corpus (python-docs:calib), a text file or folder, a .jsonl file of chat "
+                              "records ({\"messages\": [...]}) or texts ({\"text\": ...}), or a folder written by "
+                              "datasets' save_to_disk")] = "python-docs:calib"
+    seq_len: Annotated[int_in(8, MAX_SEQ), doc("tokens per training block")] = 512
+    num_tokens: Annotated[Optional[int_in(8, MAX_TOKENS)], doc("use at most this many tokens of it (null: all)")] = None
+    chat_template: Annotated[Bool, doc("chat records are rendered with the student tokenizer's chat template")] = True
+
+
+@dataclass(config=CONFIG)
+class LossSpec:
+    """``kd``: forward KL(teacher || student) of the next-token distributions at ``temperature``
+    (scaled by temperature^2); ``lm``: next-token cross-entropy on the text; ``kd+lm``:
+    ``(1 - lm_weight) * kd + lm_weight * lm``."""
+
+    kind: Annotated[Literal[LOSSES], doc("kd, kd+lm or lm")] = "kd"
+    temperature: Annotated[number_in(100.0), doc("softmax temperature of both distributions in kd")] = 1.0
+    lm_weight: Annotated[number_in(1.0, positive=False), doc("weight of the lm term in kd+lm")] = 0.5
+
+
+@dataclass(config=CONFIG)
+class PeftSpec:
+    """LoRA (``peft.LoraConfig``) on the attention projections the student shares with its
+    teacher; the parameters the surgery created or reshaped (sinks, latent and up projections,
+    readers, entry biases, indexers, a reshaped k_proj) are trained in full beside it."""
+
+    r: Annotated[int_in(1, 4096), doc("LoRA rank")] = 16
+    alpha: Annotated[int_in(1, 1 << 16), doc("LoRA alpha (scale alpha / r)")] = 32
+    dropout: Annotated[number_in(0.99, positive=False), doc("LoRA dropout")] = 0.0
+    target_modules: Annotated[Optional[list[Text]], Field(min_length=1), doc(
+        "module name suffixes LoRA wraps (null: every linear layer inside self_attn that the teacher also has)")] = None
+    train_surgery_parameters: Annotated[Bool, doc("train the surgery-created parameters in full beside LoRA")] = True
+
+
+@dataclass(config=CONFIG)
+class OptimSpec:
+    lr: Annotated[number_in(1.0), doc("AdamW learning rate")] = 1e-4
+    weight_decay: Annotated[number_in(1.0, positive=False), doc("AdamW weight decay")] = 0.0
+    max_grad_norm: Annotated[number_in(1e6), doc("gradient clipping norm")] = 1.0
+
+
+@dataclass(config=CONFIG)
+class ScheduleSpec:
+    kind: Annotated[Literal[SCHEDULES], doc("learning-rate schedule after warm-up")] = "cosine"
+    warmup_steps: Annotated[int_in(0, MAX_STEPS), doc("linear warm-up steps")] = 0
+
+
+@dataclass(config=CONFIG)
+class EvalSpec:
+    """Held-out perplexity ratio to the teacher on fixed windows, every ``every`` steps (and at
+    the start and end)."""
+
+    every: Annotated[int_in(1, MAX_STEPS), doc("evaluate every N optimizer steps")] = 50
+    texts: Annotated[list[Text], Field(min_length=1), doc("held-out corpora or files scored")] = dataclasses.field(
+        default_factory=lambda: ["python-docs:heldout", "fortunes:heldout"])
+    seq_len: Annotated[int_in(2, MAX_SEQ), doc("tokens per held-out window")] = 512
+    windows: Annotated[int_in(1, 4096), doc("held-out windows per text")] = 4
+
+
+@dataclass(config=CONFIG)
+class SaveSpec:
+    every: Annotated[int_in(1, MAX_STEPS), doc("write a resumable checkpoint every N optimizer steps")] = 50
+    keep: Annotated[int_in(1, 1000), doc("checkpoints kept (the oldest are deleted)")] = 2
+
+
+@dataclass(config=CONFIG)
+class Recipe:
+    """One uplift run. ``steps`` optimizer steps of ``batch`` blocks per process times
+    ``grad_accum`` micro-batches."""
+
+    student: Annotated[Text, doc("a converted folder (hf-csa2 convert --out), or a source when plan is given")]
+    plan: Annotated[Optional[Text], doc("a conversion plan: the student is converted from it first (null: "
+                                        "student is already converted)")] = None
+    teacher: Annotated[Optional[Text], doc("the model distilled from (null: the student's recorded source)")] = None
+    data: DataSpec = dataclasses.field(default_factory=DataSpec)
+    loss: LossSpec = dataclasses.field(default_factory=LossSpec)
+    peft: Optional[PeftSpec] = dataclasses.field(default_factory=PeftSpec)
+    trainable: Annotated[Literal[TRAINABLE], doc(
+        "with peft null, the parameters trained in full: attention (inside self_attn) or all (but embeddings "
+        "and head)")] = "attention"
+    optim: OptimSpec = dataclasses.field(default_factory=OptimSpec)
+    schedule: ScheduleSpec = dataclasses.field(default_factory=ScheduleSpec)
+    steps: Annotated[int_in(1, MAX_STEPS), doc("optimizer steps")] = 100
+    batch: Annotated[int_in(1, 65536), doc("blocks per micro-batch and process")] = 4
+    grad_accum: Annotated[int_in(1, 65536), doc("micro-batches per optimizer step")] = 1
+    log_every: Annotated[int_in(1, MAX_STEPS), doc("log the training loss every N optimizer steps")] = 10
+    eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+    save: SaveSpec = dataclasses.field(default_factory=SaveSpec)
+    seed: Annotated[int_in(0, 2**32 - 1), doc("seed of initialisation, data order and dropout")] = 0
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Recipe":
+        if not isinstance(data, dict):
+            raise RecipeError(f"a recipe must be a mapping of fields ({', '.join(f.name for f in dataclasses.fields(cls))}), "
+                              f"got {type(data).__name__}")
+        check_keys(data, "recipe", RecipeError, "recipe")
+        data = dict(data)
+        if data.get("peft") is True:
+            data["peft"] = {}
+        try:
+            return _ADAPTER.validate_python(data)
+        except ValidationError as err:
+            raise RecipeError(describe(err, Recipe, "recipe")) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+_ADAPTER = TypeAdapter(Recipe)
+
+
+def read_recipe_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a recipe YAML file (refused: missing, a folder, not UTF-8, not YAML, empty)."""
+    path = Path(path)
+    if path.is_dir():
+        raise RecipeError(f"recipe {str(path)!r} is a folder; allowed: a YAML file (see recipes/)")
+    if not path.is_file():
+        raise RecipeError(f"recipe file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML{at}") from None
+    if data is None:
+        raise RecipeError(f"recipe file {str(path)!r} is empty; it needs at least the field 'student'")
+    return data
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
+    """A recipe from a YAML file (or from ``overrides`` alone when ``path`` is None) with
+    ``--set a.b=VALUE`` overrides applied, validated."""
+    data = read_recipe_file(path) if path is not None else {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe file {str(path)!r} must hold a mapping of fields, got {type(data).__name__}")
+    data = set_typed_fields(data, list(overrides), RecipeError, "FIELD=VALUE or SECTION.FIELD=VALUE, e.g. "
+                            "student=runs/mqa or optim.lr=2.0e-4")
+    return Recipe.from_dict(data)
+
+
+__all__ = ["DataSpec", "EvalSpec", "LOSSES", "LossSpec", "OptimSpec", "PeftSpec", "Recipe", "RecipeError",
+           "SCHEDULES", "SaveSpec", "ScheduleSpec", "TRAINABLE", "load_recipe", "read_recipe_file"]

@@ -1,0 +1,66 @@
+"""Recipes: typed fields, one-line errors naming the field, --set overrides, the shipped recipes."""
+
+from pathlib import Path
+
+import pytest
+
+from hf_csa2.train.recipe import Recipe, RecipeError, load_recipe
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
+
+
+def test_set_overrides_any_field_by_its_dotted_path():
+    r = load_recipe(None, ["student=runs/mqa", "optim.lr=2.0e-4", "peft.r=8", "eval.texts=[a.txt]", "steps=3"])
+    assert (r.student, r.optim.lr, r.peft.r, r.eval.texts, r.steps) == ("runs/mqa", 2e-4, 8, ["a.txt"], 3)
+    assert r.peft.alpha == 32 and r.loss.kind == "kd"  # untouched fields keep their defaults
+
+
+def test_peft_null_trains_modules_directly():
+    assert load_recipe(None, ["student=x", "peft=null", "trainable=all"]).peft is None
+
+
+@pytest.mark.parametrize("sets, words", [
+    (["student=x", "optim.lrr=1"], ["unknown key 'lrr' in optim", "allowed: lr, weight_decay, max_grad_norm"]),
+    (["steps=3"], ["needs the field 'student'"]),
+    (["student=x", "steps=0"], ["steps=0", ">= 1"]),
+    (["student=x", "steps=ten"], ["steps='ten'", "an integer"]),
+    (["student=x", "loss.kind=mse"], ["loss.kind='mse'", "kd, kd+lm, lm"]),
+    (["student=x", "optim.lr=1e-4"], ["optim.lr='1e-4'", "write it with a dot"]),
+    (["student=x", "eval.texts=[]"], ["eval.texts", "at least 1"]),
+    (["student=x", "peft.dropout=1.5"], ["peft.dropout=1.5", "<= 0.99"]),
+    (["student=x", "optim=3"], ["optim=3", "not a mapping"]),
+    (["student=x", "optim.lr"], ["--set 'optim.lr'", "FIELD=VALUE"]),
+])
+def test_bad_fields_name_the_field_and_what_is_allowed(sets, words):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(None, sets)
+    for w in words:
+        assert w in str(err.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", ["is empty"]),
+    ("student: [unclosed", ["not valid YAML"]),
+    ("- a\n- b\n", ["mapping of fields"]),
+    ("1: x\nstudent: y\n", ["the key 1"]),
+])
+def test_bad_recipe_files_are_refused(tmp_path, text, words):
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    for w in words:
+        assert w in str(err.value)
+
+
+def test_recipe_round_trips_through_yaml(tmp_path):
+    r = load_recipe(None, ["student=x", "loss.kind=kd+lm", "peft=null"])
+    path = tmp_path / "r.yaml"
+    path.write_text(r.to_yaml())
+    assert load_recipe(path) == r and Recipe.from_dict(r.to_dict()) == r
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_shipped_recipes_validate(path):
+    r = load_recipe(path)
+    assert r.student and r.steps >= 1

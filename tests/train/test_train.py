@@ -1,0 +1,225 @@
+"""hf-csa2 train on tiny checkpoints: losses, which parameters train, outputs (adapter, merged,
+report), resume to the same losses, two processes vs one, bad recipes refused before anything
+is written."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from tiny_models import save_tiny_source, tiny_tokenizer
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM
+
+import hf_csa2  # noqa: F401  (registers the hf_csa2 model type)
+from hf_csa2.cli import main as cli_main
+from hf_csa2.evals.round_trip import reload_without_hf_csa2
+from hf_csa2.io.sources import load_source
+from hf_csa2.surgery.pipeline import convert
+from hf_csa2.train.recipe import LossSpec, load_recipe
+from hf_csa2.train.run import run_recipe
+from hf_csa2.train.trainer import distillation_loss, surgery_parameter_names
+
+TEXT = " ".join(f"Entry {i}: the parser reads token {i * 7 % 13} and writes value {i * 3 % 11} to the buffer."
+                for i in range(400))
+
+
+def tree_digest(folder: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(folder)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A tiny Llama source, its text, and two students: MQA (saved as a native Llama) and
+    MLA + sinks (an hf_csa2 checkpoint)."""
+    root = tmp_path_factory.mktemp("train")
+    (root / "text.txt").write_text(TEXT)
+    save_tiny_source("llama", root / "src")
+    calib = {"text": str(root / "text.txt"), "num_tokens": 256, "seq_len": 64, "eval_windows": 2}
+    convert(str(root / "src"), {"gqa": {"num_key_value_heads": 1}, "calibration": calib}, out_dir=root / "mqa",
+            log=lambda m: None)
+    convert(str(root / "src"), {"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}, "sinks": {}, "calibration": calib},
+            out_dir=root / "mla", log=lambda m: None)
+    return root
+
+
+def recipe_sets(work: Path, student: str, *extra: str) -> list[str]:
+    text = work / "text.txt"
+    return [f"student={work / student}", f"data.text={text}", "data.seq_len=64", f"eval.texts=[{text}]",
+            "eval.seq_len=64", "eval.windows=2", "eval.every=3", "save.every=3", "steps=6", "batch=2",
+            "log_every=1", "optim.lr=3.0e-3", *extra]
+
+
+def losses(report_or_history) -> dict[int, float]:
+    history = report_or_history["history"] if isinstance(report_or_history, dict) else report_or_history
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def evals(history, metric: str = "kl") -> list[float]:
+    return [h[f"eval_text_{metric}"] for h in history if f"eval_text_{metric}" in h]
+
+
+# -- the loss ---------------------------------------------------------------------------
+
+def test_distillation_loss_matches_its_definition():
+    torch.manual_seed(0)
+    s, t = torch.randn(2, 5, 11), torch.randn(2, 5, 11)
+    ids = torch.randint(0, 11, (2, 5))
+    p_t = F.softmax(t[:, :-1] / 2.0, -1)
+    kl = (p_t * (p_t.log() - F.log_softmax(s[:, :-1] / 2.0, -1))).sum(-1).mean() * 4.0
+    torch.testing.assert_close(distillation_loss(s, t, ids, LossSpec(kind="kd", temperature=2.0)), kl)
+    ce = F.cross_entropy(s[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(distillation_loss(s, None, ids, LossSpec(kind="lm")), ce)
+    mixed = distillation_loss(s, t, ids, LossSpec(kind="kd+lm", lm_weight=0.25))
+    kd1 = distillation_loss(s, t, ids, LossSpec(kind="kd"))
+    torch.testing.assert_close(mixed, 0.75 * kd1 + 0.25 * ce)
+    assert distillation_loss(t, t, ids, LossSpec(kind="kd")).abs() < 1e-6 < kl
+
+
+def test_surgery_parameters_are_the_created_or_reshaped_ones(work):
+    teacher = load_source(work / "src").model
+    mqa = surgery_parameter_names(load_source(work / "mqa").model, teacher)
+    assert mqa == [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in ("k", "v")]
+    mla = set(surgery_parameter_names(load_source(work / "mla").model, teacher))
+    assert {"model.layers.0.self_attn.sinks", "model.layers.1.self_attn.kv_a_proj.weight"} <= mla
+    assert not any("q_proj" in n or "o_proj" in n or "mlp" in n for n in mla)
+
+
+# -- end to end -------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(work):
+    """The MLA student trained with LoRA (6 steps); its out folder and report."""
+    before = tree_digest(work / "mla")
+    report = run_recipe(load_recipe(None, recipe_sets(work, "mla")), work / "out-mla", log=lambda m: None)
+    assert tree_digest(work / "mla") == before, "the student folder must not change"
+    return work / "out-mla", report
+
+
+def test_training_moves_the_student_toward_the_teacher(trained):
+    _, report = trained
+    kl = evals(report["history"])
+    assert len(kl) == len(evals(report["history"], "ppl_ratio")) == 3  # steps 0, 3, 6
+    assert kl[2] < kl[1] < kl[0] and kl[2] < 0.95 * kl[0], kl  # held-out KL to the teacher falls
+    assert report["tokens_seen"] == 6 * 2 * 64 and report["steps"] == 6
+
+
+def test_adapter_and_merged_outputs_reproduce_the_trained_model(trained, work, tmp_path):
+    out, report = trained
+    x = torch.randint(4, 100, (1, 24))
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    student = load_source(work / "mla").model
+    with_adapter = PeftModel.from_pretrained(student, out / "adapter").eval()
+    assert any(n.endswith("sinks") for n in report["full_parameters"]), "sinks are surgery parameters: trained in full"
+    full = [n for n in report["full_parameters"] if n.endswith("kv_a_proj.weight")]
+    with torch.no_grad():
+        original = load_source(work / "mla").model(x).logits
+        torch.testing.assert_close(with_adapter(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
+        assert (merged(x).logits - original).abs().max() > 1e-3
+        # the full parameters came back from the adapter file, not from the student folder
+        trained_sinks = with_adapter.get_base_model().get_parameter(full[0])
+        assert not torch.equal(trained_sinks, load_source(work / "mla").model.get_parameter(full[0]))
+    got = reload_without_hf_csa2(out / "merged", x, tmp_path)
+    torch.testing.assert_close(got["logits"], merged(x).logits, atol=1e-5, rtol=1e-5)
+    assert (out / "curves.png").stat().st_size > 0
+    saved = json.loads((out / "training_report.json").read_text())
+    assert saved["steps"] == 6 and losses(saved) == losses(report)
+
+
+def test_native_student_stays_native_and_full_training_works(work):
+    report = run_recipe(load_recipe(None, recipe_sets(work, "mqa", "peft=null", "steps=3")), work / "out-mqa",
+                        log=lambda m: None)
+    config = json.loads((work / "out-mqa" / "merged" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 1 and "auto_map" not in config
+    assert not (work / "out-mqa" / "adapter").exists()
+    merged = AutoModelForCausalLM.from_pretrained(work / "out-mqa" / "merged")
+    student = load_source(work / "mqa").model
+    changed = {n for n, p in merged.named_parameters() if not torch.equal(p, student.get_parameter(n))}
+    assert changed and all(".self_attn." in n for n in changed)  # trainable: attention (the default)
+    assert len(losses(report)) == 3
+
+
+def test_resume_continues_to_the_same_losses(trained, work):
+    out, report = trained
+    resumed = work / "out-resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "checkpoint-6")
+    again = run_recipe(load_recipe(None, recipe_sets(work, "mla")), resumed, resume=True, log=lambda m: None)
+    first, second = losses(report), losses(again)
+    assert sorted(second) == [1, 2, 3, 4, 5, 6] and again["resumed_from"].endswith("checkpoint-3")
+    for step in (4, 5, 6):
+        assert second[step] == pytest.approx(first[step], rel=1e-6, abs=1e-7), (step, first, second)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_at_the_same_global_batch(work, tmp_path):
+    """torchrun with 2 CPU processes (gloo) x batch 2 against 1 process x batch 4."""
+    base = recipe_sets(work, "mla", "steps=4", "eval.every=4", "save.every=4")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    run = [sys.executable, "-m", "hf_csa2", "train"]
+    args = [a for s in base for a in ("--set", s)]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("student: x\n")
+    subprocess.run(run + [str(recipe), *args, "--set", "batch=4", "--out", str(one)], check=True, env=env,
+                   capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+                    "-m", "hf_csa2", "train", str(recipe), *args, "--set", "batch=2", "--out", str(two)],
+                   check=True, env=env, capture_output=True, timeout=600)
+    a = losses(json.loads((one / "training_report.json").read_text()))
+    b = json.loads((two / "training_report.json").read_text())
+    assert b["world_size"] == 2 and b["tokens_seen"] == 4 * 4 * 64
+    b = losses(b)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4), (step, a, b)
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+def test_bad_recipes_exit_2_and_write_nothing(work, tmp_path, capsys):
+    other = tmp_path / "other-tokenizer"
+    save_tiny_source("llama", other)
+    tok = tiny_tokenizer()
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(other)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"student: {work / 'mla'}\n")
+    cases = [
+        (["--set", "optim.lrr=1"], "unknown key 'lrr' in optim"),
+        (["--set", "steps=many"], "steps='many'"),
+        (["--set", f"student={tmp_path / 'missing'}"], "missing"),
+        (["--set", f"teacher={other}", "--set", f"data.text={work / 'text.txt'}",
+          "--set", f"eval.texts=[{work / 'text.txt'}]"], "another tokenizer"),
+        (["--resume"], "holds no checkpoint"),
+    ]
+    before = tree_digest(work / "mla")
+    for extra, words in cases:
+        out = tmp_path / "out"
+        code = cli_main(["train", str(recipe), "--out", str(out), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (extra, err)
+        assert not out.exists(), extra
+    assert tree_digest(work / "mla") == before
+
+
+def test_existing_output_needs_overwrite(work, tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"student: {work / 'mla'}\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert cli_main(["train", str(recipe), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
