@@ -50,12 +50,56 @@ def load_records(text: str) -> datasets.Dataset:
     return ds
 
 
-def _renderer(tokenizer, chat_template: bool):
+# User turns of the chat format: asking to continue a passage (never the needle suite's templates:
+# the evals must stay a test of something not trained on).
+CONTINUE_PROMPTS = (
+    "Continue this text.",
+    "Here is the start of a document. Write how it goes on.",
+    "Read the passage below and continue it in the same style.",
+    "What comes next in this text? Write the next part.",
+)
+
+
+def passages_to_chat(text: str, passage_chars: int, start: int = 0) -> list[list[dict]]:
+    """Chat exchanges cut from one document: consecutive paragraphs gathered to about
+    ``passage_chars`` characters; the first half (by paragraphs, else by characters at a space)
+    goes in a user turn after a request to continue it, the rest is the assistant's answer.
+    ``start`` picks the first request (they rotate), so the output is deterministic."""
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    chunks, current = [], ""
+    for p in paragraphs:
+        current = f"{current}\n\n{p}" if current else p
+        if len(current) >= passage_chars:
+            chunks.append(current)
+            current = ""
+    if len(current) >= passage_chars // 4:
+        chunks.append(current)
+    exchanges = []
+    for i, chunk in enumerate(chunks):
+        cut = chunk.rfind("\n\n", 0, len(chunk) // 2 + len(chunk) // 4)
+        if cut < len(chunk) // 4:
+            cut = chunk.rfind(" ", 0, len(chunk) // 2) if " " in chunk else len(chunk) // 2
+        head, tail = chunk[:cut].strip(), chunk[cut:].strip()
+        if head and tail:
+            request = CONTINUE_PROMPTS[(start + i) % len(CONTINUE_PROMPTS)]
+            exchanges.append([{"role": "user", "content": f"{request}\n\n{head}"},
+                              {"role": "assistant", "content": tail}])
+    return exchanges
+
+
+def _to_chat(passage_chars: int):
+    def convert(batch: dict, indices: list[int]) -> dict:
+        return {"messages": [m for i, text in zip(indices, batch["text"]) for m in passages_to_chat(text, passage_chars, i)]}
+
+    return convert
+
+
+def _renderer(tokenizer):
     def render(batch: dict) -> dict:
         if "input_ids" in batch:
             return {"input_ids": batch["input_ids"]}
         if "messages" in batch:
-            if not chat_template or not getattr(tokenizer, "chat_template", None):
+            if not getattr(tokenizer, "chat_template", None):
                 texts = ["\n\n".join(f"{m['role']}: {m['content']}" for m in msgs) for msgs in batch["messages"]]
             else:
                 texts = [tokenizer.apply_chat_template(msgs, tokenize=False) for msgs in batch["messages"]]
@@ -77,13 +121,22 @@ def _packer(seq_len: int):
     return pack
 
 
+def chat_format(spec: DataSpec, tokenizer) -> bool:
+    """Whether plain text becomes chat exchanges (``format: chat``, or ``auto`` with a chat template)."""
+    if spec.format == "auto":
+        return bool(getattr(tokenizer, "chat_template", None))
+    return spec.format == "chat"
+
+
 def training_blocks(spec: DataSpec, tokenizer) -> datasets.Dataset:
     """``[N]`` records with ``input_ids`` of exactly ``spec.seq_len`` tokens: documents in order,
     each followed by EOS, concatenated and cut (the last partial block of each 1,000 documents is
     dropped). At most ``spec.num_tokens`` tokens (whole blocks)."""
     ds = load_records(spec.text)
-    ds = ds.map(_renderer(tokenizer, spec.chat_template), batched=True, remove_columns=ds.column_names,
-                desc="tokenising")
+    if "text" in ds.column_names and chat_format(spec, tokenizer):
+        ds = ds.map(_to_chat(spec.passage_chars), batched=True, with_indices=True, remove_columns=ds.column_names,
+                    desc="chat exchanges")
+    ds = ds.map(_renderer(tokenizer), batched=True, remove_columns=ds.column_names, desc="tokenising")
     ds = ds.map(_packer(spec.seq_len), batched=True, batch_size=1000, desc=f"packing into {spec.seq_len}-token blocks")
     if len(ds) == 0:
         raise RecipeError(f"data.text={spec.text!r} has fewer than data.seq_len={spec.seq_len} tokens")
@@ -101,4 +154,5 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["load_records", "training_blocks", "write_chat_jsonl"]
+__all__ = ["CONTINUE_PROMPTS", "chat_format", "load_records", "passages_to_chat", "training_blocks",
+           "write_chat_jsonl"]

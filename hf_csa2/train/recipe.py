@@ -30,6 +30,7 @@ from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in
 from ..typed_config import set_fields as set_typed_fields
 
 LOSSES = ("kd", "kd+lm", "lm")
+DATA_FORMATS = ("auto", "text", "chat")
 SCHEDULES = ("cosine", "linear", "constant")
 TRAINABLE = ("attention", "all")
 MAX_STEPS = 10_000_000
@@ -51,7 +52,13 @@ class DataSpec:
                               "datasets' save_to_disk")] = "python-docs:calib"
     seq_len: Annotated[int_in(8, MAX_SEQ), doc("tokens per training block")] = 512
     num_tokens: Annotated[Optional[int_in(8, MAX_TOKENS)], doc("use at most this many tokens of it (null: all)")] = None
-    chat_template: Annotated[Bool, doc("chat records are rendered with the student tokenizer's chat template")] = True
+    format: Annotated[Literal[DATA_FORMATS], doc(
+        "text: plain text packed as it is; chat: plain text turned into chat exchanges (a user turn asking to "
+        "continue a passage, the passage's own continuation as the answer) rendered with the student's chat "
+        "template; auto: chat when the student's tokenizer has a chat template, else text. Chat records "
+        "({\"messages\": [...]}) always use the template")] = "auto"
+    passage_chars: Annotated[int_in(64, 1 << 20), doc("chat format: characters of text per exchange (split "
+                                                        "between the user turn and the answer)")] = 1600
 
 
 @dataclass(config=CONFIG)
@@ -191,4 +198,4 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
 
 
 __all__ = ["DataSpec", "EvalSpec", "LOSSES", "LossSpec", "OptimSpec", "PeftSpec", "Recipe", "RecipeError",
-           "SCHEDULES", "SaveSpec", "ScheduleSpec", "TRAINABLE", "load_recipe", "read_recipe_file"]
+           "DATA_FORMATS", "SCHEDULES", "SaveSpec", "ScheduleSpec", "TRAINABLE", "load_recipe", "read_recipe_file"]

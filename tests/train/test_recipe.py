@@ -64,3 +64,18 @@ def test_recipe_round_trips_through_yaml(tmp_path):
 def test_shipped_recipes_validate(path):
     r = load_recipe(path)
     assert r.student and r.steps >= 1
+
+
+def test_chat_exchanges_split_passages_into_a_request_and_its_continuation():
+    from hf_csa2.train.data import CONTINUE_PROMPTS, passages_to_chat
+
+    text = "\n\n".join(f"Paragraph {i} says " + " ".join(["more"] * 30) for i in range(12))
+    exchanges = passages_to_chat(text, 600, start=1)
+    assert len(exchanges) >= 3
+    for i, (user, answer) in enumerate(exchanges):
+        assert (user["role"], answer["role"]) == ("user", "assistant")
+        request, _, head = user["content"].partition("\n\n")
+        assert request == CONTINUE_PROMPTS[(1 + i) % len(CONTINUE_PROMPTS)]
+        assert f"{head}\n\n{answer['content']}" in text  # the answer is the passage's own continuation
+    from hf_csa2.evals.needle import ANSWER_HINT, INSTRUCTION
+    assert not {INSTRUCTION, ANSWER_HINT} & set(CONTINUE_PROMPTS)

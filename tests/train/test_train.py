@@ -206,11 +206,13 @@ def test_bad_recipes_exit_2_and_write_nothing(work, tmp_path, capsys):
         (["--resume"], "holds no checkpoint"),
     ]
     before = tree_digest(work / "mla")
+    capsys.readouterr()  # the fixtures' progress output
     for extra, words in cases:
         out = tmp_path / "out"
         code = cli_main(["train", str(recipe), "--out", str(out), *extra])
-        err = capsys.readouterr().err
-        assert code == 2 and words in err and len(err.strip().splitlines()) == 1, (extra, err)
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+        assert code == 2 and len(errors) == 1 and errors[0].startswith("hf-csa2: error: ") and words in errors[0], \
+            (extra, errors)
         assert not out.exists(), extra
     assert tree_digest(work / "mla") == before
 
@@ -221,5 +223,24 @@ def test_existing_output_needs_overwrite(work, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
+    capsys.readouterr()
     assert cli_main(["train", str(recipe), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
+
+
+def test_training_blocks_pack_text_and_chat_with_the_template(work, tmp_path):
+    from hf_csa2.train.data import training_blocks
+    from hf_csa2.train.recipe import DataSpec
+
+    tok = tiny_tokenizer()
+    text = work / "text.txt"
+    blocks = training_blocks(DataSpec(text=str(text), seq_len=64, format="text"), tok)
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert len(blocks) == len(ids) // 64
+    assert blocks[3]["input_ids"].tolist() == ids[3 * 64:4 * 64]
+    assert len(training_blocks(DataSpec(text=str(text), seq_len=64, format="text", num_tokens=640), tok)) == 10
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "doc.txt").write_text("\n\n".join(f"Paragraph {i} " + "text " * 30 for i in range(10)))
+    chat = training_blocks(DataSpec(text=str(tmp_path / "doc.txt"), seq_len=32, format="auto"), tok)
+    decoded = tok.decode(torch.cat([b["input_ids"] for b in chat]).tolist())
+    assert decoded.startswith("<user>Continue this text.") and "<assistant>" in decoded
