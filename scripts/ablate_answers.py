@@ -6,7 +6,9 @@ one at a time and re-ask the answer check (and the teacher-forced agreement) on 
 
 Each ``--restore PART:LAYERS`` is one variant: ``o_proj`` copies the source's output projection
 into those layers (what the conversion would give without its o_proj refits: the converted layers
-keep the source's head layout of values, so the source o_proj applies as is). Prints one row per
+keep the source's head layout of values, so the source o_proj applies as is); ``attn`` puts the
+source's whole attention module back (dense over the full prefix: no latent, no reuse, no sparse
+read), e.g. in the reuse layers only, to see what they cost. Prints one row per
 variant and context: answer check far/near, answer NLL, top-1 agreement and KL over all positions.
 """
 
@@ -23,6 +25,21 @@ from hf_csa2.io.sources import load_source
 from hf_csa2.metrics.answer_check import answer_check, make_probes
 
 
+class _DenseFromSource(torch.nn.Module):
+    """The source's attention module in a converted model's layer: dense over the whole causal
+    prefix (its own mask is built here, the converted model passes its own kind), no cache."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        t = hidden_states.shape[1]
+        mask = torch.full((t, t), float("-inf"), dtype=hidden_states.dtype, device=hidden_states.device).triu(1)
+        return self.attn(hidden_states, position_embeddings=position_embeddings, attention_mask=mask[None, None],
+                         past_key_values=None)
+
+
 def restored(converted, source, part: str, layers: str):
     model = copy.deepcopy(converted)
     n = len(model.model.layers)
@@ -31,8 +48,10 @@ def restored(converted, source, part: str, layers: str):
         for i in picked:
             if part == "o_proj":
                 model.model.layers[i].self_attn.o_proj.weight.copy_(source.model.layers[i].self_attn.o_proj.weight)
+            elif part == "attn":
+                model.model.layers[i].self_attn = _DenseFromSource(copy.deepcopy(source.model.layers[i].self_attn))
             else:
-                raise SystemExit(f"unknown part {part!r}; allowed: o_proj")
+                raise SystemExit(f"unknown part {part!r}; allowed: o_proj, attn")
     return model
 
 

@@ -15,9 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_csa2"
 LAYERS = {
     "model": 0, "errors": 0, "cache": 0, "typed_config": 0,
     "io": 1, "data": 1, "metrics": 1,
-    "surgery": 2,
-    "evals": 3, "export": 3, "train": 3,
-    "cli": 4, "__main__": 4, "__init__": 4,
+    "engine": 2,
+    "surgery": 3,
+    "evals": 4, "export": 4, "train": 4,
+    "cli": 5, "__main__": 5, "__init__": 5,
 }
 # function-level imports of our own modules that are there for another reason than a cycle
 ALLOWED_LOCAL_IMPORTS = {("data/__init__.py", "hf_csa2.data")}

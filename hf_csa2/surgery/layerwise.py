@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .calibration import run_with_attention_hooks
-from .held_out import BestState
+from ..engine.held_out import BestState
 from .linalg import solve_ridge_normal
 
 

@@ -50,7 +50,7 @@ from ..model.configuration_hf_csa2 import (
     QK_NORM_BASE_MODEL_TYPES,
     attention_head_dim,
 )
-from .distill import TRAINABLE as DISTILL_TRAINABLE
+from ..engine.trainer import TRAINABLE as DISTILL_TRAINABLE
 
 GQA_INITS = ("calibrated", "mean")
 MLA_INITS = ("activation_aware", "weight_svd")

@@ -25,14 +25,13 @@ import yaml
 from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
+from ..engine.trainer import LOSSES, TRAINABLE
 from ..errors import UserError
 from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in, number_in
 from ..typed_config import set_fields as set_typed_fields
 
-LOSSES = ("kd", "kd+lm", "lm")
 DATA_FORMATS = ("auto", "text", "chat")
 SCHEDULES = ("cosine", "linear", "constant")
-TRAINABLE = ("attention", "all")
 MAX_STEPS = 10_000_000
 MAX_SEQ = 1 << 20
 MAX_TOKENS = 1 << 40

@@ -23,7 +23,7 @@ from typing import Callable
 
 import datasets
 import yaml
-from transformers import TrainerCallback, default_data_collator
+from transformers import default_data_collator
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..data.corpus import resolve_text
@@ -35,7 +35,8 @@ from ..surgery.pipeline import convert
 from ..surgery.plan import ConversionPlan
 from .data import training_blocks
 from .recipe import Recipe, RecipeError
-from .trainer import UpliftTrainer, prepare_student, save_full_parameters, training_arguments
+from ..engine.trainer import DistillationTrainer, save_adapter_extras
+from .trainer import prepare_student, training_arguments
 
 REPORT = "training_report.json"
 RECIPE_COPY = "recipe.yaml"
@@ -118,18 +119,6 @@ def load_models(recipe: Recipe, teacher_name: str, log: Callable[[str], None]):
     return student, teacher.model, tokenizer, report
 
 
-class _EvaluateAtStart(TrainerCallback):
-    """The held-out ratios before the first step, in the run's own log history (Trainer starts a
-    new state in ``train``, so an ``evaluate`` before it would not be kept)."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step == 0:
-            self.trainer.evaluate()
-
-
 def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
                log: Callable[[str], None] = print) -> dict:
     """Train ``recipe`` into ``out_dir`` (see the module docstring); returns the training report."""
@@ -149,17 +138,17 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     held_out = {_eval_name(t): token_windows(tokenizer, resolve_text(t), recipe.eval.seq_len, recipe.eval.windows)
                 for t in recipe.eval.texts}
     model, full_names = prepare_student(student, teacher, recipe)
-    trainer = UpliftTrainer(
+    trainer = DistillationTrainer(
         model=model, args=args, train_dataset=train_data,
         eval_dataset=datasets.Dataset.from_dict({"input_ids": next(iter(held_out.values())).tolist()}),
         data_collator=default_data_collator, processing_class=tokenizer,
-        teacher=teacher, loss=recipe.loss, held_out=held_out,
+        teacher=teacher, held_out=held_out, loss=recipe.loss.kind, temperature=recipe.loss.temperature,
+        lm_weight=recipe.loss.lm_weight,
         adapter_extras=full_names if recipe.peft is not None else [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"train: {len(train_data)} blocks of {recipe.data.seq_len} tokens; {trainable:,} trainable values "
         f"({len(full_names)} tensors in full{', + LoRA r=%d' % recipe.peft.r if recipe.peft else ''}); "
         f"teacher {teacher_name}")
-    trainer.add_callback(_EvaluateAtStart(trainer))
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     if trainer.state.global_step % recipe.eval.every:
         trainer.evaluate()
@@ -177,13 +166,13 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     return report
 
 
-def write_outputs(trainer: UpliftTrainer, recipe: Recipe, tokenizer, student_report: dict, report: dict,
+def write_outputs(trainer: DistillationTrainer, recipe: Recipe, tokenizer, student_report: dict, report: dict,
                   out: Path) -> None:
     model = trainer.accelerator.unwrap_model(trainer.model)
     merged_report = {**student_report, "uplift": {k: report[k] for k in ("recipe", "teacher", "steps", "tokens_seen")}}
     if recipe.peft is not None:
         model.save_pretrained(out / "adapter")
-        save_full_parameters(model, out / "adapter", trainer.adapter_extras)
+        save_adapter_extras(model, out / "adapter", trainer.adapter_extras)
         model = model.merge_and_unload()
     save_checkpoint(model, tokenizer, out / "merged", overwrite=True,
                     extra_files={OUTPUT_MARKER: json.dumps(merged_report, indent=2)})

@@ -1,0 +1,233 @@
+"""Distillation on a transformers ``Trainer``: one training code path for the convert pipeline's
+distillation stage, ``hf-csa2 distill`` and ``hf-csa2 train``.
+
+Everything a training loop needs beyond the loss comes from transformers/accelerate: the
+optimiser and schedule, gradient accumulation, clipping, checkpoints that resume to the same
+losses, and several processes (``torchrun`` / ``accelerate launch``). What this module adds:
+
+* :func:`distillation_loss` -- forward KL to the teacher's next-token distribution, the plain LM
+  loss, or a mix;
+* evaluation on fixed held-out windows: the perplexity ratio to the teacher and the mean token
+  KL(teacher || student) (the teacher's NLL is measured once), also before the first step;
+* :class:`KeepBest` -- keep the state with the lowest held-out KL (the start included);
+* which parameters train (:func:`trainable_parameters`) and copies of the ones the student
+  shares with its teacher (:func:`unshare_from`), so training never moves the teacher.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch.nn import functional as F
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from ..metrics.perplexity import mean_nll
+from .held_out import BestState
+
+LOSSES = ("kd", "kd+lm", "lm")
+TRAINABLE = ("attention", "all")
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over tokens of KL(teacher_T || student_T) in nats, scaled by T^2; logits [..., V], fp32 maths."""
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
+
+
+def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, input_ids: torch.Tensor,
+                      kind: str = "kd", temperature: float = 1.0, lm_weight: float = 0.5) -> torch.Tensor:
+    """Mean per-token loss of next-token predictions; logits ``[B, T, V]``, ``input_ids`` ``[B, T]``.
+
+    ``kd``: :func:`token_kl` at ``temperature`` over positions 0..T-2 (those that predict a token
+    of the window, as in the LM loss); ``lm``: cross-entropy on ``input_ids[:, 1:]``; ``kd+lm``:
+    ``(1 - lm_weight) * kd + lm_weight * lm``.
+    """
+    if kind not in LOSSES:
+        raise ValueError(f"loss kind={kind!r}; allowed: {', '.join(LOSSES)}")
+    s = student_logits[:, :-1]
+    terms = {}
+    if kind in ("kd", "kd+lm"):
+        terms["kd"] = token_kl(teacher_logits[:, :-1], s, temperature)
+    if kind in ("lm", "kd+lm"):
+        terms["lm"] = F.cross_entropy(s.float().reshape(-1, s.shape[-1]), input_ids[:, 1:].reshape(-1))
+    if kind == "kd+lm":
+        return (1 - lm_weight) * terms["kd"] + lm_weight * terms["lm"]
+    return terms[kind]
+
+
+def trainable_parameters(model: torch.nn.Module, which: str = "attention") -> list[torch.nn.Parameter]:
+    """``attention``: the parameters inside each decoder layer's ``self_attn``; ``all``: every
+    parameter except the (possibly tied) embeddings and output head."""
+    if which not in TRAINABLE:
+        raise ValueError(f"trainable={which!r}; allowed: {', '.join(TRAINABLE)}")
+    if which == "attention":
+        return [p for layer in model.model.layers for p in layer.self_attn.parameters()]
+    skip = {id(p) for p in model.get_input_embeddings().parameters()}
+    skip |= {id(p) for p in model.get_output_embeddings().parameters()}
+    return [p for p in model.parameters() if id(p) not in skip]
+
+
+def unshare_from(student: torch.nn.Module, teacher: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """Replace each of ``params`` whose storage ``teacher`` also uses by a copy, in every
+    ``student`` module that holds it (conversions share the unchanged tensors with the source;
+    training them in place would move the teacher too). Returns the parameters to train, in order."""
+    taken = {p.untyped_storage().data_ptr() for p in teacher.parameters()}
+    copies: dict[int, torch.nn.Parameter] = {}
+    for p in params:
+        if p.untyped_storage().data_ptr() in taken:
+            copies[id(p)] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+    if copies:
+        for module in student.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if id(p) in copies:
+                    module.register_parameter(name, copies[id(p)])
+    return [copies.get(id(p), p) for p in params]
+
+
+def save_adapter_extras(model, adapter_dir: str | Path, names: list[str]) -> None:
+    """Add parameters trained in full beside LoRA to a PEFT adapter's safetensors file under their
+    PeftModel names; PEFT's loader (``load_state_dict(strict=False)`` of that file) puts them back."""
+    if not names:
+        return
+    path = Path(adapter_dir) / ADAPTER_FILE
+    tensors = load_file(str(path))
+    base = model.get_base_model()
+    for n in names:
+        tensors[f"base_model.model.{n}"] = base.get_parameter(n).detach().cpu().contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def trainer_arguments(output_dir: str | Path, *, steps: int, batch: int, lr: float, grad_accum: int = 1,
+                      weight_decay: float = 0.0, max_grad_norm: float = 0.0, schedule: str = "constant",
+                      warmup_steps: int = 0, log_every: int = 10, eval_every: int = 50,
+                      save_every: int | None = None, save_keep: int = 2, seed: int = 0,
+                      progress: bool = True) -> TrainingArguments:
+    """``TrainingArguments`` for a distillation run (AdamW; ``max_grad_norm`` 0: no clipping;
+    ``save_every`` None: no checkpoints). Several processes on CPU use the gloo backend."""
+    cpu = not torch.cuda.is_available()
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return TrainingArguments(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=grad_accum, learning_rate=lr, weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm, lr_scheduler_type=schedule, warmup_steps=warmup_steps, optim="adamw_torch",
+        logging_steps=log_every, eval_strategy="steps", eval_steps=eval_every,
+        save_strategy="steps" if save_every else "no", save_steps=save_every or 500, save_total_limit=save_keep,
+        seed=seed, data_seed=seed, report_to=[], use_cpu=cpu, ddp_backend="gloo" if cpu and several else None,
+        ddp_find_unused_parameters=True,  # indexers and routed parts get no gradient on some steps
+        dataloader_drop_last=True, remove_unused_columns=False, disable_tqdm=not progress,
+    )
+
+
+class DistillationTrainer(Trainer):
+    """``Trainer`` with a distillation loss toward a frozen teacher and held-out evaluation.
+
+    ``held_out``: name -> token windows ``[N, T]``; every evaluation logs
+    ``eval_<name>_ppl_ratio`` and ``eval_<name>_kl``. ``adapter_extras``: parameters trained in
+    full beside LoRA, written into every saved adapter file (checkpoints included, so
+    ``resume_from_checkpoint`` restores them too).
+    """
+
+    def __init__(self, *args, teacher, held_out: dict[str, torch.Tensor], loss: str = "kd",
+                 temperature: float = 1.0, lm_weight: float = 0.5, adapter_extras: list[str] = (),
+                 evaluate_at_start: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.teacher = teacher.eval()
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+        self.loss_kind, self.temperature, self.lm_weight = loss, temperature, lm_weight
+        self.held_out = held_out
+        self.adapter_extras = list(adapter_extras)
+        self.teacher_nll = {name: mean_nll(self.teacher, w)["nll"] for name, w in held_out.items()}
+        self.model_accepts_loss_kwargs = False  # our loss is a per-token mean: Trainer scales it for accumulation
+        if evaluate_at_start:
+            self.add_callback(_EvaluateAtStart(self))
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ids = inputs["input_ids"]
+        out = model(input_ids=ids, use_cache=False)
+        teacher_logits = None
+        if self.loss_kind != "lm":
+            with torch.no_grad():
+                teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
+        loss = distillation_loss(out.logits, teacher_logits, ids, self.loss_kind, self.temperature, self.lm_weight)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"training loss is {loss.item()} at step {self.state.global_step + 1}; "
+                                     f"lower the learning rate (now {self.args.learning_rate})")
+        return (loss, out) if return_outputs else loss
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        model = self.accelerator.unwrap_model(self.model)
+        metrics = {}
+        for name, windows in self.held_out.items():
+            nll = mean_nll(model, windows)["nll"]
+            metrics[f"{metric_key_prefix}_{name}_ppl_ratio"] = math.exp(nll - self.teacher_nll[name])
+            metrics[f"{metric_key_prefix}_{name}_kl"] = self.held_out_kl(model, windows)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    @torch.no_grad()
+    def held_out_kl(self, model, windows: torch.Tensor) -> float:
+        """Mean per-token KL(teacher || student) of next-token distributions over ``windows``."""
+        was_training = model.training
+        model.eval()
+        try:
+            total = 0.0
+            for w in windows.to(self.args.device):
+                s = model(input_ids=w[None], use_cache=False).logits
+                t = self.teacher(input_ids=w[None], use_cache=False).logits
+                total += float(distillation_loss(s, t, w[None], "kd"))
+        finally:
+            model.train(was_training)
+        return total / len(windows)
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        if self.adapter_extras and self.args.should_save:
+            save_adapter_extras(self.accelerator.unwrap_model(self.model), output_dir or self.args.output_dir,
+                                self.adapter_extras)
+
+
+class _EvaluateAtStart(TrainerCallback):
+    """The held-out figures before the first step, in the run's own log history (``train`` starts a
+    new state, so an ``evaluate`` called before it would not be kept)."""
+
+    def __init__(self, trainer: DistillationTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            self.trainer.evaluate()
+
+
+class KeepBest(TrainerCallback):
+    """Keep the parameters' state with the lowest ``metric`` seen at an evaluation (the state before
+    the first step included, when it is evaluated); restored when training ends."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter], metric: str):
+        self.parameters, self.metric = list(parameters), metric
+        self.kept: BestState | None = None
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        score = (metrics or {}).get(self.metric)
+        if score is None:
+            return
+        if self.kept is None:
+            self.kept = BestState(self.parameters, score)
+            self.kept.step = state.global_step
+        else:
+            self.kept.offer(score, state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.kept is not None:
+            self.kept.restore()
+
+
+__all__ = ["ADAPTER_FILE", "DistillationTrainer", "KeepBest", "LOSSES", "TRAINABLE", "distillation_loss",
+           "save_adapter_extras", "token_kl", "trainable_parameters", "trainer_arguments", "unshare_from"]
