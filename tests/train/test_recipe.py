@@ -79,3 +79,11 @@ def test_chat_exchanges_split_passages_into_a_request_and_its_continuation():
         assert f"{head}\n\n{answer['content']}" in text  # the answer is the passage's own continuation
     from hf_csa2.evals.needle import ANSWER_HINT, INSTRUCTION
     assert not {INSTRUCTION, ANSWER_HINT} & set(CONTINUE_PROMPTS)
+
+
+@pytest.mark.parametrize("name, kind", [("ddp.yaml", "MULTI_GPU"), ("fsdp.yaml", "FSDP")])
+def test_accelerate_configs_load(name, kind):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(RECIPES[0].parent / "accelerate" / name))
+    assert config.distributed_type.name == kind and config.num_processes == 2
