@@ -230,16 +230,17 @@ class SinksPlan:
 
 @dataclass(config=_CONFIG)
 class DistillPlan:
-    """After the surgery stages: Adam on KL(source || converted) of the next-token
-    distributions over calibration windows (the source's predictions are the only targets).
+    """After the surgery stages: AdamW (no weight decay, no clipping) on KL(source || converted)
+    of the next-token distributions over calibration windows (the source's predictions are the
+    only targets), on the training engine of ``hf-csa2 train`` (a transformers ``Trainer``).
 
     ``num_tokens`` of calibration text (in windows of ``calibration.seq_len``, after the
     report's scoring windows) of which the last ``holdout`` windows are never trained on and
     decide which state is kept (the converted start included).
     """
 
-    steps: Annotated[_int(1, MAX_STEPS), _doc("Adam steps")] = 200
-    lr: Annotated[_number(1.0), _doc("Adam learning rate")] = 1e-4
+    steps: Annotated[_int(1, MAX_STEPS), _doc("optimizer steps")] = 200
+    lr: Annotated[_number(1.0), _doc("AdamW learning rate (constant)")] = 1e-4
     batch: Annotated[_int(1, MAX_HEADS), _doc("windows per step")] = 4
     num_tokens: Annotated[_int(1, MAX_TOKENS), _doc("calibration tokens to distill on (held-out windows included)")] = 32768
     holdout: Annotated[_int(1, MAX_HEADS), _doc("windows never trained on that pick the kept state")] = 4
