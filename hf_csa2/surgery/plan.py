@@ -488,7 +488,7 @@ def set_fields(data: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
     """Plan mapping ``data`` with ``SECTION.FIELD=VALUE`` assignments applied (VALUE is read as
     YAML: ``3``, ``1.0e-4``, ``true``, ``[full, reuse]``); the plan built from it validates them."""
     return set_typed_fields(data, assignments, PlanError,
-                                   "SECTION.FIELD=VALUE or FIELD=VALUE, e.g. gqa.ridge=0.5 or context=4096")
+                            "SECTION.FIELD=VALUE or FIELD=VALUE, e.g. gqa.ridge=0.5 or context=4096")
 
 
 # -- error messages ------------------------------------------------------------------------
