@@ -77,8 +77,10 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0) -> list[list
     exchanges = []
     for i, chunk in enumerate(chunks):
         cut = chunk.rfind("\n\n", 0, len(chunk) // 2 + len(chunk) // 4)
-        if cut < len(chunk) // 4:
-            cut = chunk.rfind(" ", 0, len(chunk) // 2) if " " in chunk else len(chunk) // 2
+        if cut < len(chunk) // 4:  # no paragraph break near the middle: cut at a space, else mid-word
+            cut = chunk.rfind(" ", 0, len(chunk) // 2)
+            if cut <= 0:
+                cut = len(chunk) // 2
         head, tail = chunk[:cut].strip(), chunk[cut:].strip()
         if head and tail:
             request = CONTINUE_PROMPTS[(start + i) % len(CONTINUE_PROMPTS)]

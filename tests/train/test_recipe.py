@@ -87,3 +87,12 @@ def test_accelerate_configs_load(name, kind):
 
     config = load_config_from_file(str(RECIPES[0].parent / "accelerate" / name))
     assert config.distributed_type.name == kind and config.num_processes == 2
+
+
+def test_chat_exchanges_from_text_without_paragraphs_or_spaces():
+    from hf_csa2.train.data import passages_to_chat
+
+    words = passages_to_chat(" ".join(["word"] * 400), 600)
+    assert len(words) == 1 and words[0][1]["content"] and words[0][0]["content"].endswith("word")
+    late_space = passages_to_chat("x" * 700 + " tail", 600)  # the only space is past the middle
+    assert len(late_space) == 1 and late_space[0][1]["content"] == "x" * 348 + " tail"
