@@ -1,13 +1,12 @@
 """The convert pipeline and CLI on tiny local checkpoints: outputs, reports, bad input."""
 
-import hashlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from folders import tree_digest
 from tiny_models import save_tiny_source, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -38,15 +37,6 @@ def plan_with(text_file, **extra):
     plan = calib_plan(**extra)
     plan["calibration"]["text"] = str(text_file)
     return plan
-
-
-def tree_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(folder)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def test_gqa_only_output_is_native_architecture(tmp_path, text_file):

@@ -2,7 +2,6 @@
 report), resume to the same losses, two processes vs one, bad recipes refused before anything
 is written."""
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from folders import tree_digest
 from tiny_models import save_tiny_source, tiny_tokenizer
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
@@ -29,15 +29,6 @@ from hf_csa2.train.trainer import surgery_parameter_names
 
 TEXT = " ".join(f"Entry {i}: the parser reads token {i * 7 % 13} and writes value {i * 3 % 11} to the buffer."
                 for i in range(400))
-
-
-def tree_digest(folder: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            h.update(str(p.relative_to(folder)).encode())
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
