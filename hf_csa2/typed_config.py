@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import annotated_types
@@ -191,9 +192,32 @@ def set_fields(data: dict[str, Any], assignments: list[str], error: type[Excepti
     return data
 
 
+def read_yaml_file(path, error: type[Exception], kind: str, examples: str):
+    """The data in a YAML config file, or None when it is empty (or comments only); a folder, a
+    missing or unreadable file, bytes that are not UTF-8 and invalid YAML are refused with
+    ``error`` naming the file (``kind``: "plan", "recipe"; ``examples``: where good ones are)."""
+    path = Path(path)
+    if path.is_dir():
+        raise error(f"{kind} {str(path)!r} is a folder; allowed: a YAML file (see {examples})")
+    if not path.is_file():
+        raise error(f"{kind} file {str(path)!r} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{kind} file {str(path)!r} is not UTF-8 text; allowed: a YAML file (see {examples})") from None
+    except OSError as err:
+        raise error(f"cannot read {kind} file {str(path)!r}: {err.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        raise error(f"{kind} file {str(path)!r} is not valid YAML{at}: {getattr(err, 'problem', None) or err}") from None
+
+
 def _copy(value):
     return {k: _copy(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 __all__ = ["Bool", "CONFIG", "Text", "allowed", "check_keys", "describe", "doc", "field_info", "field_names",
-           "int_in", "number_in", "path_text", "set_fields", "unwrap", "yaml_hint"]
+           "int_in", "number_in", "path_text", "read_yaml_file", "set_fields", "unwrap", "yaml_hint"]

@@ -41,6 +41,7 @@ from ..typed_config import (
     field_names,
     int_in,
     number_in,
+    read_yaml_file,
     set_fields as set_typed_fields,
     unwrap as _unwrap,
     yaml_hint as _yaml_hint,
@@ -310,23 +311,7 @@ class ConversionPlan:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ConversionPlan":
         """Read a plan file; an empty (or comment-only) file is refused."""
-        path = Path(path)
-        if path.is_dir():
-            raise PlanError(f"plan {str(path)!r} is a folder; allowed: a YAML file (see conversion/)")
-        if not path.is_file():
-            raise PlanError(f"plan file {str(path)!r} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise PlanError(f"plan file {str(path)!r} is not UTF-8 text; allowed: a YAML file (see conversion/)") from None
-        except OSError as err:
-            raise PlanError(f"cannot read plan file {str(path)!r}: {err.strerror}") from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            where = getattr(err, "problem_mark", None)
-            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
-            raise PlanError(f"plan file {str(path)!r} is not valid YAML{at}: {getattr(err, 'problem', None) or err}") from None
+        data = read_yaml_file(path, PlanError, "plan", "conversion/")
         if data is None:
             raise PlanError(f"plan file {str(path)!r} is empty; it needs at least one of the sections "
                             f"{', '.join(SURGERY_SECTIONS)} (see conversion/)")

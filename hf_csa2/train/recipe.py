@@ -27,7 +27,7 @@ from pydantic.dataclasses import dataclass
 
 from ..engine.trainer import LOSSES, TRAINABLE
 from ..errors import UserError
-from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in, number_in
+from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in, number_in, read_yaml_file
 from ..typed_config import set_fields as set_typed_fields
 
 DATA_FORMATS = ("auto", "text", "chat")
@@ -167,19 +167,7 @@ _ADAPTER = TypeAdapter(Recipe)
 
 def read_recipe_file(path: str | Path) -> dict[str, Any]:
     """The mapping in a recipe YAML file (refused: missing, a folder, not UTF-8, not YAML, empty)."""
-    path = Path(path)
-    if path.is_dir():
-        raise RecipeError(f"recipe {str(path)!r} is a folder; allowed: a YAML file (see recipes/)")
-    if not path.is_file():
-        raise RecipeError(f"recipe file {str(path)!r} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise RecipeError(f"recipe file {str(path)!r} is not UTF-8 text") from None
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise RecipeError(f"recipe file {str(path)!r} is not valid YAML{at}") from None
+    data = read_yaml_file(path, RecipeError, "recipe", "recipes/")
     if data is None:
         raise RecipeError(f"recipe file {str(path)!r} is empty; it needs at least the field 'student'")
     return data
