@@ -2,9 +2,9 @@
 one at a time and re-ask the answer check (and the teacher-forced agreement) on the same windows.
 
     python scripts/ablate_answers.py SOURCE CONVERTED [--text python-docs:heldout] [--context 512,1024]
-        [--per-depth 6] [--restore o_proj:11,17] [--restore o_proj:all]
+        [--per-depth 6] [--restore o_proj:11,17] [--restore o_proj:all] [--restore attn:5/o_proj:11]
 
-Each ``--restore PART:LAYERS`` is one variant: ``o_proj`` copies the source's output projection
+Each ``--restore PART:LAYERS[/PART:LAYERS...]`` is one variant: ``o_proj`` copies the source's output projection
 into those layers (what the conversion would give without its o_proj refits: the converted layers
 keep the source's head layout of values, so the source o_proj applies as is); ``attn`` puts the
 source's whole attention module back (dense over the full prefix: no latent, no reuse, no sparse
@@ -23,6 +23,7 @@ from hf_csa2.data.windows import token_windows
 from hf_csa2.evals.compare import compare_models
 from hf_csa2.io.sources import load_source
 from hf_csa2.metrics.answer_check import answer_check, make_probes
+from hf_csa2.model.attention_base import rotate_half
 
 
 class _DenseFromSource(torch.nn.Module):
@@ -40,8 +41,87 @@ class _DenseFromSource(torch.nn.Module):
                          past_key_values=None)
 
 
-def restored(converted, source, part: str, layers: str):
-    model = copy.deepcopy(converted)
+def low_rank(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """x [B, H, S, D] projected per head onto its own top-``rank`` right singular vectors (an
+    oracle: the basis comes from the same text)."""
+    flat = x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]).transpose(0, 1)  # [H, B*S, D]
+    basis = torch.linalg.svd(flat.float(), full_matrices=False).Vh[:, :rank]  # [H, r, D]
+    return torch.einsum("bhsd,hrd,hre->bhse", x, basis.to(x.dtype), basis.to(x.dtype))
+
+
+def own_entries(attn, which: str) -> None:
+    """Make a reindex/reuse layer read its OWN exact keys (``which`` = keys), values (values) or
+    both at the shared entries' Top-K addresses, instead of what its reader maps from the full
+    layer's latent (no cache: the layer's own keys/values of every position are at hand)."""
+    plain = type(attn).read_segments
+
+    def read_segments(hidden_states, position_embeddings, cache=None):
+        segments, v_up = plain(attn, hidden_states, position_embeddings, cache)
+        window, entries = segments
+        if attn.sink_tokens:
+            raise SystemExit("own-* variants need a reader without sink_tokens")
+        q, k, v = window.query, window.keys, window.values  # [B, T, HQ, D], [B, S, H, D] (rotated)
+        d = q.shape[-1]
+        kind = which
+        if kind.startswith("rank"):  # own keys/values, each cut to this rank before RoPE
+            rank = int(kind[4:])
+            cos, sin = (e[:, None] for e in position_embeddings)
+            kt = k.transpose(1, 2)  # [B, H, S, D]
+            k_plain = kt * cos - rotate_half(kt) * sin  # RoPE undone
+            k_hat = low_rank(k_plain, rank)
+            k = (k_hat * cos + rotate_half(k_hat) * sin).transpose(1, 2)
+            v = low_rank(v.transpose(1, 2), rank).transpose(1, 2)
+            kind = "both"
+        if kind in ("keys", "both"):
+            q_e, k_e = q, k
+        else:
+            q_e, k_e = entries.query, entries.keys
+        if kind in ("values", "both"):
+            eye = torch.eye(d, dtype=q.dtype, device=q.device).expand(q.shape[2], d, d)
+            v_e, v_up = v, eye
+        else:
+            v_e = entries.values
+        segments[1] = type(entries)(q_e, k_e, v_e, entries.index)
+        return segments, v_up
+
+    attn.read_segments = read_segments
+
+
+def exact_window(attn, source_attn) -> None:
+    """Make a full CSA2 layer read its own last ``window`` tokens exactly (the source layer's
+    keys/values, as a reader layer does) and only its Top-K far entries from its latent."""
+    from hf_csa2.model.attention_base import apply_rotary
+    from hf_csa2.model.sparse_attention import SparseSegment, sparse_sink_attention, window_index
+
+    def attention_output(hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        b, t, _ = hidden_states.shape
+        shape = (b, t, -1, source_attn.head_dim)
+        q = source_attn.q_norm(source_attn.q_proj(hidden_states).view(shape)).transpose(1, 2)
+        k = source_attn.k_norm(source_attn.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        v = source_attn.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = apply_rotary(q, k, *position_embeddings)
+        latent, rope_part = attn.compress(hidden_states, position_embeddings)
+        index_keys = attn.indexer.keys(hidden_states, position_embeddings)
+        positions = torch.arange(t, device=hidden_states.device)
+        iq, iw = attn.indexer.queries(hidden_states, position_embeddings)
+        top = attn.indexer.select(iq, iw, index_keys, positions, attn.top_k, attn.window)
+        q_nope, q_rope = attn.queries(hidden_states, position_embeddings)
+        k_rope, k_scale = attn._split_cached(rope_part)
+        q_l, k_l, latent1, v_up = attn.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
+        own = SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            window_index(positions, attn.window).expand(b, -1, -1))
+        far = SparseSegment(q_l.transpose(1, 2), k_l.transpose(1, 2), latent1.transpose(1, 2), top)
+        (out, out_lat), _ = sparse_sink_attention([own, far], scaling=attn.scaling, sinks=attn.sinks, path="scores")
+        out = out + torch.einsum("bthr,hdr->bthd", out_lat, v_up[attn.kv_of_query])
+        attn.scratch = {"latent": latent, "rope": rope_part, "index_keys": index_keys, "top_k": top,
+                        "position_embeddings": position_embeddings}
+        return out.reshape(b, t, -1).contiguous(), None
+
+    attn.attention_output = attention_output
+
+
+def restore(model, source, part: str, layers: str):
+    """Put the source's ``part`` back into ``model`` (changed in place) in ``layers``."""
     n = len(model.model.layers)
     picked = range(n) if layers == "all" else [int(x) for x in layers.split(",")]
     with torch.no_grad():
@@ -50,8 +130,12 @@ def restored(converted, source, part: str, layers: str):
                 model.model.layers[i].self_attn.o_proj.weight.copy_(source.model.layers[i].self_attn.o_proj.weight)
             elif part == "attn":
                 model.model.layers[i].self_attn = _DenseFromSource(copy.deepcopy(source.model.layers[i].self_attn))
+            elif part == "exact-window":
+                exact_window(model.model.layers[i].self_attn, source.model.layers[i].self_attn)
+            elif part.startswith("own-"):
+                own_entries(model.model.layers[i].self_attn, part[4:])
             else:
-                raise SystemExit(f"unknown part {part!r}; allowed: o_proj, attn")
+                raise SystemExit(f"unknown part {part!r}; allowed: o_proj, attn, exact-window, own-keys, own-values, own-both")
     return model
 
 
@@ -71,8 +155,12 @@ def main() -> None:
         converted.config.csa2_read_path = "scores"  # exact like the reference "gather", much faster at these lengths
     variants = [("as converted", converted)]
     for spec in args.restore:
-        part, layers = spec.split(":")
-        variants.append((f"source {part} in {layers}", restored(converted, source.model, part, layers)))
+        model, names = copy.deepcopy(converted), []  # patched methods close over this copy's modules
+        for change in spec.split("/"):  # e.g. exact-window:5/own-both:11,17
+            part, layers = change.split(":")
+            restore(model, source.model, part, layers)
+            names.append(f"{part} in {layers}")
+        variants.append((" + ".join(names), model))
     print("| variant | context | answers far | near | answer NLL | top-1 agreement | KL |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for context in [int(c) for c in args.context.split(",")]:

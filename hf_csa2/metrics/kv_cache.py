@@ -4,6 +4,7 @@ cache object actually holds after a prefill (the two must agree)."""
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import CacheLayerMixin
 
 from hf_csa2.model.configuration_hf_csa2 import (
     QK_NORM_BASE_MODEL_TYPES as QK_NORM_MODEL_TYPES,
@@ -28,7 +29,10 @@ def layer_attention_specs(config) -> list[dict]:
         # Mistral has no layer_types: its one sliding_window applies to every layer.
         sliding = layer_type == "sliding_attention" or (window is not None and arch == "mistral")
         if spec.get("kind") == "csa2":  # own window ring; full layers keep every entry
-            out.append({**spec, "window": None if spec["mode"] == "full" else spec["window"], "read_window": spec["window"]})
+            full = spec["mode"] == "full"
+            # a full layer with exact_window keeps a ring of its own exact keys/values besides
+            ring = spec["window"] if full and spec.get("exact_window") else None
+            out.append({**spec, "window": None if full else spec["window"], "read_window": spec["window"], "ring": ring})
             continue
         out.append({**spec, "window": window if sliding else None})
     return out
@@ -46,39 +50,56 @@ def layer_kv_elements_per_token(spec: dict, head_dim: int, qk_norm: bool = False
     return 2 * spec["num_key_value_heads"] * head_dim
 
 
+def ring_elements(spec: dict, head_dim: int, num_tokens: int) -> int:
+    """Elements of a CSA2 full layer's exact-window ring after ``num_tokens`` tokens (0 without one):
+    its own ``2 * H * D`` per token of the last ``window - 1``."""
+    if not spec.get("ring"):
+        return 0
+    return min(num_tokens, spec["ring"] - 1) * 2 * spec["num_key_value_heads"] * head_dim
+
+
 def config_kv_elements_per_token(config) -> int:
     """Cache elements one token adds (all layers), from the config alone.
 
-    Sliding-window layers are counted too: they hold every token while it is in the window,
-    which is what a prefill shorter than the window measures.
+    Sliding-window layers (and the exact-window rings of CSA2 full layers) are counted too:
+    they hold every token while it is in the window, which is what a prefill shorter than the
+    window measures.
     """
     d = attention_head_dim(config)
     arch = getattr(config, "base_model_type", None) or config.model_type
     qk_norm = arch in QK_NORM_MODEL_TYPES
-    return sum(layer_kv_elements_per_token(spec, d, qk_norm) for spec in layer_attention_specs(config))
+    return sum(layer_kv_elements_per_token(spec, d, qk_norm) + ring_elements(spec, d, 1)
+               for spec in layer_attention_specs(config))
 
 
 def config_kv_elements_at_context(config, num_tokens: int) -> int:
     """Cache elements held (all layers) after ``num_tokens`` tokens, from the config alone:
     a layer with a window keeps its last ``window - 1`` tokens (transformers' sliding cache
     layers; the newest token joins at read time) plus its first ``sink_tokens`` once they left
-    the window (CSA2 window layers), every other layer keeps them all."""
+    the window (CSA2 window layers), every other layer keeps them all (a CSA2 full layer with
+    ``exact_window`` also its ring of the last ``window - 1``)."""
     d = attention_head_dim(config)
     arch = getattr(config, "base_model_type", None) or config.model_type
     qk_norm = arch in QK_NORM_MODEL_TYPES
     total = 0
     for spec in layer_attention_specs(config):
         held = num_tokens if not spec["window"] else min(num_tokens, spec["window"] - 1 + spec.get("sink_tokens", 0))
-        total += held * layer_kv_elements_per_token(spec, d, qk_norm)
+        total += held * layer_kv_elements_per_token(spec, d, qk_norm) + ring_elements(spec, d, num_tokens)
     return total
 
 
 def cache_tensors(cache):
     """Every tensor (dim > 1) held by the layers of a transformers Cache object."""
     for layer in getattr(cache, "layers", []):
-        for value in vars(layer).values():
-            if isinstance(value, torch.Tensor) and value.dim() > 1:
-                yield value
+        yield from _layer_tensors(layer)
+
+
+def _layer_tensors(layer):
+    for value in vars(layer).values():
+        if isinstance(value, torch.Tensor) and value.dim() > 1:
+            yield value
+        elif isinstance(value, CacheLayerMixin):  # a cache layer inside another (a full layer's exact-window ring)
+            yield from _layer_tensors(value)
 
 
 def live_cache_elements(cache) -> int:
@@ -92,7 +113,7 @@ def live_cache_bytes(cache) -> int:
 
 
 def shortest_window(config) -> int | None:
-    windows = [s["window"] for s in layer_attention_specs(config) if s["window"]]
+    windows = [w for s in layer_attention_specs(config) for w in (s["window"], s.get("ring")) if w]
     return min(windows) if windows else None
 
 
@@ -129,7 +150,9 @@ def saturation_length(config, context: int) -> int:
     """Shortest prefill after which every windowed layer already holds what it holds after
     ``context`` tokens (0 when no window is shorter than ``context``): beyond it the live
     cache grows by the same number of elements per token."""
-    held = [spec["window"] - 1 + spec.get("sink_tokens", 0) for spec in layer_attention_specs(config) if spec["window"]]
+    specs = layer_attention_specs(config)
+    held = [spec["window"] - 1 + spec.get("sink_tokens", 0) for spec in specs if spec["window"]]
+    held += [spec["ring"] - 1 for spec in specs if spec.get("ring")]
     held = [h for h in held if h < context]
     return max(held) + 1 if held else 0
 

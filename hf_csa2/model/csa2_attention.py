@@ -6,6 +6,8 @@ Per layer a mode (``spec.mode``; the specs are in ``layer_specs.py``):
   rope keys) plus one index key per token are cached once for the whole model. Its own
   indexer picks Top-K entries among positions older than its window; it reads Top-K + its
   last ``window`` entries in one softmax (absorbed form: scores and read-out in latent space).
+  With ``exact_window`` it reads its last ``window`` tokens from its own exact keys/values
+  (a ring, as the other modes do) and only the Top-K far entries from the latent.
 * ``reindex`` -- reads a full layer's entries with its own Top-K: its own index queries scored
   against that layer's cached index keys.
 * ``reuse``   -- reads a full layer's entries at the Top-K addresses its source (full or
@@ -20,7 +22,8 @@ the read-out, and complex coefficients for the source's rope-key slots. One soft
 Top-K entries and the window, with per-head sinks.
 
 Cache: full layers use transformers' ``DynamicIndexedLayer`` (keys = latent ``[B, 1, S, r]``,
-values = rope part, ``indexer_keys`` ``[B, S, d_I]``); the others ``DynamicSlidingWindowLayer``
+values = rope part, ``indexer_keys`` ``[B, S, d_I]``; with ``exact_window`` a
+:class:`DynamicIndexedWindowLayer` that also holds the exact ring); the others ``DynamicSlidingWindowLayer``
 (their own ``[B, H, W-1, D]`` keys/values), or with ``sink_tokens: P`` a
 :class:`DynamicSinkWindowLayer` that also keeps the first P tokens once they leave the window. A cache built without knowledge of these layers
 (``DynamicCache()`` or ``DynamicCache(config=...)``) gets the right layer objects on first use.
@@ -36,7 +39,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
-from .attention_base import rotate_half
+from .attention_base import apply_rotary, rotate_half
 from .configuration_hf_csa2 import as_layer_spec
 from .dense_attention import DenseSinkAttention
 from .indexer import Indexer
@@ -145,6 +148,57 @@ class DynamicSinkWindowLayer(DynamicSlidingWindowLayer):
             self._map_sinks(lambda t: t.to(self.device, non_blocking=True))
 
 
+class DynamicIndexedWindowLayer(DynamicIndexedLayer):
+    """A full layer's cache with ``exact_window``: its latent entries and index keys (every
+    token, as :class:`DynamicIndexedLayer`) plus a ring of its own exact keys/values of the
+    last ``sliding_window - 1`` tokens (``ring``, a :class:`DynamicSlidingWindowLayer`)."""
+
+    def __init__(self, sliding_window: int, **kwargs):
+        super().__init__(**kwargs)
+        self.sliding_window = sliding_window
+        self.ring = DynamicSlidingWindowLayer(sliding_window=sliding_window)
+
+    def update_window(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Exact keys/values [B, H, T, D] of this step -> the ring's rows plus them ([B, H, W', D])."""
+        return self.ring.update(key_states, value_states)
+
+    def activate_past_recording(self):
+        """Keep the ring's states past the window until the next ``crop`` (assisted decoding)."""
+        self.ring.activate_past_recording()
+
+    @property
+    def record_past(self) -> bool:
+        return self.ring.record_past
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.ring.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self.ring.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self.ring.batch_select_indices(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.ring.crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        super().reset()
+        self.ring.reset()
+
+    def offload(self):
+        super().offload()
+        self.ring.offload()
+
+    def prefetch(self):
+        super().prefetch()
+        self.ring.prefetch()
+
+
 def _reject_softcap(module: nn.Module, spec: Csa2FullSpec | Csa2ReaderSpec) -> None:
     if getattr(module, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"kind=csa2 mode={spec.mode!r}: attention logit soft-capping is not supported by the sparse read")
@@ -162,6 +216,9 @@ class Csa2FullAttention(LatentAttention):
             source.q_proj.in_features, spec.index_heads, spec.index_head_dim, spec.index_rope_pairs,
             rotary_dim=self.head_dim, with_key=True, dtype=source.q_proj.weight.dtype,
         )
+        self.exact_window = spec.exact_window
+        if self.exact_window:  # the window is read from the source's own keys/values
+            self.k_proj, self.v_proj = source.k_proj, source.v_proj
         self.scratch: dict = {}
 
     @property
@@ -170,7 +227,26 @@ class Csa2FullAttention(LatentAttention):
 
     def cache_layer_kind(self) -> tuple[type, dict]:
         """The cache layer class (and its arguments) this layer stores its entries in."""
+        if self.exact_window:
+            return DynamicIndexedWindowLayer, {"sliding_window": self.window}
         return DynamicIndexedLayer, {}
+
+    def window_segment(self, hidden_states, position_embeddings, layer, positions) -> SparseSegment:
+        """The last ``window`` positions read exactly: the source layer's own queries/keys/values
+        (QK-norm, RoPE on every dim), keys/values of earlier steps from the cache ``layer``'s ring
+        (None: no cache, every position of this forward)."""
+        b, t, _ = hidden_states.shape
+        shape = (b, t, -1, self.head_dim)
+        q, k = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)  # [B, H, T, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+        if layer is not None:
+            k, v = layer.update_window(k, v)
+        total = int(positions[-1]) + 1
+        own = window_index(positions, self.window, first_position=total - k.shape[2]).expand(b, -1, -1)
+        return SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), own)
 
     def attention_output(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
@@ -178,6 +254,7 @@ class Csa2FullAttention(LatentAttention):
         b, t, _ = hidden_states.shape
         latent, rope_part = self.compress(hidden_states, position_embeddings)  # [B, 1, T, r], [B, 1, T, X]
         index_keys = self.indexer.keys(hidden_states, position_embeddings)  # [B, T, d_I]
+        layer = None
         if cache is not None:
             layer = own_cache_layer(self, cache)
             latent, rope_part = cache.update(latent, rope_part, self.layer_idx)
@@ -186,16 +263,23 @@ class Csa2FullAttention(LatentAttention):
         positions = torch.arange(s - t, s, device=hidden_states.device)  # [T]
         iq, iw = self.indexer.queries(hidden_states, position_embeddings)
         top = self.indexer.select(iq, iw, index_keys, positions, self.top_k, self.window)  # [B, T, K]
-        index = torch.cat([top, window_index(positions, self.window).expand(b, -1, -1)], dim=-1)
+        segments = []
+        if self.exact_window:
+            segments.append(self.window_segment(hidden_states, position_embeddings, layer, positions))
+            index = top
+        else:
+            index = torch.cat([top, window_index(positions, self.window).expand(b, -1, -1)], dim=-1)
 
         q_nope, q_rope = self.queries(hidden_states, position_embeddings)
         k_rope, k_scale = self._split_cached(rope_part)
         q, k, latent1, v_up = self.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
         if self.num_rope_heads == 1 and k_scale is None:
             k = k[:, :1]  # every KV head reads the same entries: keep one group
-        segment = SparseSegment(q.transpose(1, 2), k.transpose(1, 2), latent1.transpose(1, 2), index)
-        (out_lat,), _ = sparse_sink_attention([segment], scaling=self.scaling, sinks=self.sinks, path=read_path(self.config))
-        out = torch.einsum("bthr,hdr->bthd", out_lat, v_up[self.kv_of_query])  # [B, T, HQ, D]
+        segments.append(SparseSegment(q.transpose(1, 2), k.transpose(1, 2), latent1.transpose(1, 2), index))
+        outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks, path=read_path(self.config))
+        out = torch.einsum("bthr,hdr->bthd", outs[-1], v_up[self.kv_of_query])  # [B, T, HQ, D]
+        if self.exact_window:
+            out = out + outs[0]
         self.scratch = {
             "latent": latent, "rope": rope_part, "index_keys": index_keys, "top_k": top,
             "position_embeddings": position_embeddings,
@@ -370,4 +454,4 @@ class Csa2ReaderAttention(DenseSinkAttention):
         return torch.arange(self.num_heads, device=self.q_proj.weight.device) // self.num_key_value_groups
 
 
-__all__ = ["Csa2FullAttention", "Csa2ReaderAttention", "DynamicSinkWindowLayer", "EntryReader", "cache_layer"]
+__all__ = ["Csa2FullAttention", "Csa2ReaderAttention", "DynamicIndexedWindowLayer", "DynamicSinkWindowLayer", "EntryReader", "cache_layer"]

@@ -217,6 +217,10 @@ class Csa2FullSpec(MlaSpec):
     index_heads: int  # indexer query heads
     index_head_dim: int  # width of an index key / query head
     index_rope_pairs: tuple[int, ...] = ()  # frequency pairs RoPE acts on in the index dims, ascending
+    # Read the last `window` positions from the layer's own exact keys/values (a sliding cache,
+    # as every reader layer does) instead of from its latent entries; the latent then serves
+    # only the Top-K far reads (and the layers that share it).
+    exact_window: bool = False
 
     @classmethod
     def _read(cls, data, where, g):
@@ -224,6 +228,7 @@ class Csa2FullSpec(MlaSpec):
         for key in ("window", "top_k", "index_heads", "index_head_dim"):
             args[key] = _int(data, key, where)
         args["index_rope_pairs"] = _index_rope_pairs(data, where, args["index_head_dim"], g, default=[])
+        args["exact_window"] = _flag(data, "exact_window", where)
         return args
 
 

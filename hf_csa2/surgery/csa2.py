@@ -48,13 +48,15 @@ def csa2_layer_specs(
     index_rope_pairs: list[int] | None = None,
     sinks: bool | None = None,
     sink_tokens: int = 0,
+    exact_window: bool = False,
 ) -> list[dict]:
     """Per-layer ``kind: csa2`` specs.
 
     mla_specs: the MLA spec of each layer (used by ``full`` layers); dense_specs: the dense spec
     of each layer (``num_key_value_heads``/``sinks`` of the window); modes/sources: the layer plan
     (source = None for full/swa). ``sinks=None`` keeps each layer's own setting. Non-full layers
-    keep the first ``sink_tokens`` tokens exactly besides their window.
+    keep the first ``sink_tokens`` tokens exactly besides their window; with ``exact_window``
+    full layers read their window from their own exact keys/values too.
     """
     n = len(modes)
     if not (len(mla_specs) == len(dense_specs) == len(sources) == n):
@@ -70,7 +72,7 @@ def csa2_layer_specs(
         if mode == "full":
             spec.update(kv_lora_rank=base["kv_lora_rank"], rope_pairs=base["rope_pairs"],
                         latent_norm=base.get("latent_norm", False), index_head_dim=index_head_dim,
-                        index_rope_pairs=list(index_rope_pairs or []))
+                        index_rope_pairs=list(index_rope_pairs or []), exact_window=exact_window)
         else:
             spec["sink_tokens"] = sink_tokens
         if mode in ("full", "reindex"):
@@ -82,16 +84,20 @@ def csa2_layer_specs(
 
 
 def assemble_csa2(dense_model, mla_model, specs: list[dict]) -> Csa2ForCausalLM:
-    """Build the CSA2 model: full layers take ``mla_model``'s attention weights, every other
-    layer ``dense_model``'s (its own exact K/V for the window); embeddings, MLPs and norms come
-    from ``dense_model``. New parameters (indexers, readers) keep their init."""
+    """Build the CSA2 model: full layers take ``mla_model``'s attention weights (with
+    ``exact_window`` the dense layer's k/v/o projections), every other layer ``dense_model``'s
+    (its own exact K/V for the window); embeddings, MLPs and norms come from ``dense_model``.
+    New parameters (indexers, readers) keep their init."""
     state = dict(dense_model.state_dict())
     mla_state = mla_model.state_dict()
     for i, spec in enumerate(specs):
         prefix = f"model.layers.{i}.self_attn."
         if spec["mode"] == "full":
-            state = {k: v for k, v in state.items() if not k.startswith(prefix)}
-            state.update({k: v for k, v in mla_state.items() if k.startswith(prefix)})
+            # An exact window reads the dense layer's own key/value projections; its o_proj starts
+            # from the dense layer's too (the MLA stage's refit was fitted to a latent window).
+            kept = ("k_proj.", "v_proj.", "o_proj.") if spec.get("exact_window") else ()
+            state = {k: v for k, v in state.items() if not k.startswith(prefix) or k[len(prefix):].startswith(kept)}
+            state.update({k: v for k, v in mla_state.items() if k.startswith(prefix) and not k[len(prefix):].startswith(kept)})
     return to_csa2(dense_model, specs, state)
 
 
@@ -425,7 +431,8 @@ def fit_csa2_layer(attn, src, hidden: torch.Tensor, attn_kwargs: dict, target: t
     hidden [N, T, hidden]: the layer's inputs; target [N, T, hidden]: the dense layer's
     attention output (for the ``o_proj`` refit). A reindex/reuse layer reads the scratch its
     ``peers`` hold for the same tokens (the full layer ran first). Full: training-free indexer
-    from the KV group with the most attention mass beyond the window (+ KL warm-up).
+    from the KV group with the most attention mass beyond the window (+ KL warm-up); with
+    ``exact_window`` also the ``o_proj`` refit.
     Reindex: its source's index query (+ warm-up). Reindex/reuse: reader least squares and
     entry-mass bias. Every non-full layer: ``o_proj`` refit. Returns the fit notes.
     """
@@ -438,6 +445,8 @@ def fit_csa2_layer(attn, src, hidden: torch.Tensor, attn_kwargs: dict, target: t
         init_indexer_from_attention(attn.indexer, src, group)
         notes.update(index_group=group, far_mass=[round(float(m), 4) for m in mass])
         notes.update(_train_indexer(attn.indexer, src, hidden, pe, None, opts))
+        if attn.exact_window and opts.refit_output:  # its o_proj is the source's (assemble_csa2)
+            notes.update(refit_output_projection(attn, hidden, attn_kwargs, target))
         return notes
     if mode == "reindex":
         source = attn.peers[attn.spec["source"]]
@@ -495,8 +504,9 @@ def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: to
     pairs = index_rope_pairs_for(dense, windows[:4], full_layers, index_dim) if full_layers else list(range(index_dim // 2))
     specs = csa2_layer_specs(mla.config.attention_layers, layers, modes, sources,
                              window=plan.window, top_k=plan.top_k, index_heads=index_heads, index_head_dim=index_dim,
-                             index_rope_pairs=pairs, sinks=plan.sinks, sink_tokens=plan.sink_tokens)
-    return to_csa2(mla, specs), mla_report
+                             index_rope_pairs=pairs, sinks=plan.sinks, sink_tokens=plan.sink_tokens,
+                             exact_window=plan.exact_window)
+    return assemble_csa2(dense, mla, specs), mla_report
 
 
 def as_dense_csa2(model):

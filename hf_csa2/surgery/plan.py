@@ -195,7 +195,11 @@ class Csa2Plan:
         "RoPE, leaving cache for a wider latent")] = None
     refine_entry_bias: Annotated[Bool, _doc("move each head's entry bias to minimise its read-out error (down to off)")] = False
     reader_ridge: Annotated[_number(MAX_RIDGE), _doc("reader least squares, relative to mean diag(C^T C)")] = 1e-3
-    refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa layers refit to the source's attention output")] = True
+    exact_window: Annotated[Bool, _doc(
+        "full layers read their own last `window` tokens from exact keys/values (a constant-size ring, as every other "
+        "layer does) and their latent entries only for Top-K far reads; o_proj then restarts from the source's and "
+        "follows refit_output")] = False
+    refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa layers (and exact_window full layers) refit to the source's attention output")] = True
     indexer_warmup_steps: Annotated[_int(0, MAX_STEPS), _doc("KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)")] = 100
 
     def layer_modes(self, num_layers: int) -> list[str]:

@@ -32,7 +32,7 @@ def calib(seed=1):
     return torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(seed))
 
 
-def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, sink_tokens=0):
+def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, sink_tokens=0, exact_window=False):
     """Tiny source -> MLA (1/2-ish rank, 2 rope pairs) -> CSA2 with the given plan; indexers,
     readers and sinks randomised so that every term of every read is exercised."""
     src = tiny_model(arch, num_layers=len(modes))
@@ -41,7 +41,7 @@ def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, s
     specs = csa2_layer_specs(
         mla.config.attention_layers, dense_layer_specs(src), modes, sources,
         window=window, top_k=top_k, index_heads=2, index_head_dim=8, index_rope_pairs=[0, 1], sinks=sinks,
-        sink_tokens=sink_tokens,
+        sink_tokens=sink_tokens, exact_window=exact_window,
     )
     model = assemble_csa2(src, mla, specs)
     model.config._attn_implementation = "eager"
@@ -69,6 +69,20 @@ def test_full_layers_selecting_everything_equal_the_dense_latent_layers(arch):
     assert all(isinstance(l.self_attn, Csa2FullAttention) for l in model.model.layers)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_layers_with_an_exact_window_over_the_whole_prefix_are_the_source(arch):
+    """exact_window: the last `window` positions are read from the layer's own exact keys and
+    values; when the window covers the prefix nothing is read from the latent, so the model is
+    its source (the latent window of the plain full layer is not: checked to differ)."""
+    length = 7 if arch in SLIDING else 13
+    model, _, src = csa2_model(arch, ["full"] * 2, [None] * 2, window=length, sinks=False, exact_window=True)
+    latent, _, _ = csa2_model(arch, ["full"] * 2, [None] * 2, window=length, sinks=False)
+    x = ids(length=length)
+    with torch.no_grad():
+        assert (model(x).logits - src(x).logits).abs().max() <= 1e-4
+        assert (latent(x).logits - src(x).logits).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("arch", SLIDING)
 def test_swa_layer_with_the_source_window_equals_the_source(arch):
     src = tiny_model(arch)
@@ -82,11 +96,12 @@ def test_swa_layer_with_the_source_window_equals_the_source(arch):
         assert (model(x).logits - src(x).logits).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("exact_window", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_read_paths_give_the_same_logits_for_every_mode(arch):
+def test_read_paths_give_the_same_logits_for_every_mode(arch, exact_window):
     """csa2_read_path "scores" (full logits then pick) is the reference "gather" read, computed
     another way: same logits for a plan with every mode, prefill and decode."""
-    model, _, _ = csa2_model(arch, *MIXED_PLAN, sink_tokens=2)
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, sink_tokens=2, exact_window=exact_window)
     x = ids(length=17)
     with torch.no_grad():
         gathered = model(x).logits
@@ -116,9 +131,10 @@ def incremental_logits(model, x, chunks):
     return torch.cat(out, dim=1), cache
 
 
+@pytest.mark.parametrize("exact_window", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_chunked_prefill_and_decode_agree_for_every_mode(arch):
-    model, _, _ = csa2_model(arch, *MIXED_PLAN)
+def test_prefill_chunked_prefill_and_decode_agree_for_every_mode(arch, exact_window):
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, exact_window=exact_window)
     x = ids(length=17)
     with torch.no_grad():
         full = model(x).logits
@@ -126,7 +142,8 @@ def test_prefill_chunked_prefill_and_decode_agree_for_every_mode(arch):
             got, cache = incremental_logits(model, x, chunks)
             assert (got - full).abs().max() <= 1e-4, chunks
     kinds = [type(layer).__name__ for layer in cache.layers]
-    assert kinds == ["DynamicIndexedLayer"] + ["DynamicSlidingWindowLayer"] * 4
+    full = "DynamicIndexedWindowLayer" if exact_window else "DynamicIndexedLayer"
+    assert kinds == [full] + ["DynamicSlidingWindowLayer"] * 4
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -186,11 +203,11 @@ def test_beam_search_and_greedy_generation_are_consistent_with_the_forward(sink_
             assert torch.allclose(total / len(new), score, atol=1e-4)
 
 
-@pytest.mark.parametrize("sink_tokens", [0, 2])
-def test_assisted_decoding_matches_greedy(sink_tokens):
+@pytest.mark.parametrize(("sink_tokens", "exact_window"), [(0, False), (2, False), (0, True)])
+def test_assisted_decoding_matches_greedy(sink_tokens, exact_window):
     """Prompt-lookup decoding records past window states and crops rejected drafts (sinks that
     left the window during a rejected draft go back into it): same tokens as plain greedy."""
-    model, _, _ = csa2_model("llama", *MIXED_PLAN, sink_tokens=sink_tokens)
+    model, _, _ = csa2_model("llama", *MIXED_PLAN, sink_tokens=sink_tokens, exact_window=exact_window)
     x = torch.cat([ids(batch=1, length=6)] * 3, dim=1)  # repeats give the lookup drafts to try
     with torch.no_grad():
         greedy = model.generate(x, max_new_tokens=16, do_sample=False)
@@ -210,9 +227,10 @@ def test_top_k_smaller_than_history_really_drops_entries():
 # -- cache size ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("exact_window", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_live_cache_holds_shared_entries_once_and_window_rings(arch):
-    model, _, _ = csa2_model(arch, *MIXED_PLAN, window=3)
+def test_live_cache_holds_shared_entries_once_and_window_rings(arch, exact_window):
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, window=3, exact_window=exact_window)
     specs = model.config.attention_layers
     per_token = config_kv_elements_per_token(model.config)
     # short prefill: every layer still holds every token
@@ -225,7 +243,8 @@ def test_live_cache_holds_shared_entries_once_and_window_rings(arch):
     rope = 2 * sum(len(p) for p in full["rope_pairs"])
     scales = full["num_key_value_heads"] if arch in QK_NORM else 0
     entry = full["kv_lora_rank"] + rope + scales + full["index_head_dim"]
-    window_ring = 4 * 2 * 2 * 12 * (3 - 1)  # 4 window layers x (K+V) x 2 KV heads x D=12 x (W-1) tokens
+    rings = 5 if exact_window else 4  # 4 window layers (+ the full layer's exact-window ring)
+    window_ring = rings * 2 * 2 * 12 * (3 - 1)  # x (K+V) x 2 KV heads x D=12 x (W-1) tokens
     assert config_kv_elements_at_context(model.config, 20) == 20 * entry + window_ring
 
 
@@ -297,8 +316,9 @@ def test_reuse_of_a_reindex_layer_reads_the_full_layers_entries():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_reloads_without_hf_csa2(arch, tmp_path):
-    model, _, _ = csa2_model(arch, *MIXED_PLAN)
+@pytest.mark.parametrize("exact_window", [False, True])
+def test_reloads_without_hf_csa2(arch, exact_window, tmp_path):
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, exact_window=exact_window)
     with torch.no_grad():
         assert_reloads_without_hf_csa2(model, ids(batch=1, length=11), tmp_path)
     assert any(isinstance(l.self_attn, Csa2ReaderAttention) for l in model.model.layers)

@@ -66,6 +66,27 @@ def test_apply_csa2_builds_every_mode_and_fits_readers(arch):
     assert torch.isfinite(loss)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_exact_window_full_layers_read_their_window_with_the_source_projections(arch):
+    """csa2.exact_window: the full layer keeps the source's k/v projections for its window, its
+    o_proj restarts from the source's and is refit to the new read (or stays the source's), and
+    the model is closer to its source than with the window read from the latent."""
+    modes = ["full", "reuse", "swa"]
+    src, model, report = convert_tiny(arch, modes, exact_window=True)
+    _, latent, _ = convert_tiny(arch, modes)
+    _, unfit, _ = convert_tiny(arch, modes, exact_window=True, refit_output=False)
+    attn, source = model.model.layers[0].self_attn, src.model.layers[0].self_attn
+    assert attn.exact_window and not latent.model.layers[0].self_attn.exact_window
+    for name in ("k_proj", "v_proj"):
+        assert torch.equal(getattr(attn, name).weight, getattr(source, name).weight)
+    assert report.layers[0].rel_err_after < report.layers[0].rel_err_before
+    assert torch.equal(unfit.model.layers[0].self_attn.o_proj.weight, source.o_proj.weight)
+    x = windows(2, 40, seed=7)
+    with torch.no_grad():
+        ref = src(x).logits
+        assert (model(x).logits - ref).abs().mean() < (latent(x).logits - ref).abs().mean()
+
+
 def test_reader_fit_is_exact_when_the_keys_are_a_linear_function_of_the_entries():
     """If the reading layer's own K/V are linear in the source latent, least squares recovers
     them: reader logits and values equal the layer's own (up to RoPE on the rope slots)."""
