@@ -8,7 +8,13 @@ Each ``--restore PART:LAYERS[/PART:LAYERS...]`` is one variant: ``o_proj`` copie
 into those layers (what the conversion would give without its o_proj refits: the converted layers
 keep the source's head layout of values, so the source o_proj applies as is); ``attn`` puts the
 source's whole attention module back (dense over the full prefix: no latent, no reuse, no sparse
-read), e.g. in the reuse layers only, to see what they cost. Prints one row per
+read), e.g. in the reuse layers only, to see what they cost; ``windowN`` the source's attention
+restricted to its last N tokens (with the source as CONVERTED: which layers read far facts);
+``exact-window`` makes a full layer read
+its window from the source's exact keys/values and only Top-K far entries from its latent,
+``window-only`` reads no far entry at all; ``own-keys`` / ``own-values`` / ``own-both`` make a
+reuse layer read its OWN exact keys / values / both at the shared Top-K addresses, ``own-rankN``
+both cut to rank N (an oracle basis from the same text). Prints one row per
 variant and context: answer check far/near, answer NLL, top-1 agreement and KL over all positions.
 """
 
@@ -30,13 +36,15 @@ class _DenseFromSource(torch.nn.Module):
     """The source's attention module in a converted model's layer: dense over the whole causal
     prefix (its own mask is built here, the converted model passes its own kind), no cache."""
 
-    def __init__(self, attn):
+    def __init__(self, attn, window: int | None = None):
         super().__init__()
-        self.attn = attn
+        self.attn, self.window = attn, window
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         t = hidden_states.shape[1]
         mask = torch.full((t, t), float("-inf"), dtype=hidden_states.dtype, device=hidden_states.device).triu(1)
+        if self.window:  # only the last `window` tokens (a sliding-window layer)
+            mask = mask + torch.full_like(mask, float("-inf")).tril(-self.window)
         return self.attn(hidden_states, position_embeddings=position_embeddings, attention_mask=mask[None, None],
                          past_key_values=None)
 
@@ -87,9 +95,10 @@ def own_entries(attn, which: str) -> None:
     attn.read_segments = read_segments
 
 
-def exact_window(attn, source_attn) -> None:
+def exact_window(attn, source_attn, far: bool = True) -> None:
     """Make a full CSA2 layer read its own last ``window`` tokens exactly (the source layer's
-    keys/values, as a reader layer does) and only its Top-K far entries from its latent."""
+    keys/values, as a reader layer does) and only its Top-K far entries from its latent (none
+    with ``far=False``: a sliding-window layer that still writes entries for its readers)."""
     from hf_csa2.model.attention_base import apply_rotary
     from hf_csa2.model.sparse_attention import SparseSegment, sparse_sink_attention, window_index
 
@@ -105,13 +114,14 @@ def exact_window(attn, source_attn) -> None:
         positions = torch.arange(t, device=hidden_states.device)
         iq, iw = attn.indexer.queries(hidden_states, position_embeddings)
         top = attn.indexer.select(iq, iw, index_keys, positions, attn.top_k, attn.window)
+        read = top if far else torch.full_like(top, -1)
         q_nope, q_rope = attn.queries(hidden_states, position_embeddings)
         k_rope, k_scale = attn._split_cached(rope_part)
         q_l, k_l, latent1, v_up = attn.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
         own = SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                             window_index(positions, attn.window).expand(b, -1, -1))
-        far = SparseSegment(q_l.transpose(1, 2), k_l.transpose(1, 2), latent1.transpose(1, 2), top)
-        (out, out_lat), _ = sparse_sink_attention([own, far], scaling=attn.scaling, sinks=attn.sinks, path="scores")
+        entries = SparseSegment(q_l.transpose(1, 2), k_l.transpose(1, 2), latent1.transpose(1, 2), read)
+        (out, out_lat), _ = sparse_sink_attention([own, entries], scaling=attn.scaling, sinks=attn.sinks, path="scores")
         out = out + torch.einsum("bthr,hdr->bthd", out_lat, v_up[attn.kv_of_query])
         attn.scratch = {"latent": latent, "rope": rope_part, "index_keys": index_keys, "top_k": top,
                         "position_embeddings": position_embeddings}
@@ -130,12 +140,14 @@ def restore(model, source, part: str, layers: str):
                 model.model.layers[i].self_attn.o_proj.weight.copy_(source.model.layers[i].self_attn.o_proj.weight)
             elif part == "attn":
                 model.model.layers[i].self_attn = _DenseFromSource(copy.deepcopy(source.model.layers[i].self_attn))
-            elif part == "exact-window":
-                exact_window(model.model.layers[i].self_attn, source.model.layers[i].self_attn)
+            elif part.startswith("window") and part[6:].isdigit():
+                model.model.layers[i].self_attn = _DenseFromSource(copy.deepcopy(source.model.layers[i].self_attn), int(part[6:]))
+            elif part in ("exact-window", "window-only"):
+                exact_window(model.model.layers[i].self_attn, source.model.layers[i].self_attn, far=part == "exact-window")
             elif part.startswith("own-"):
                 own_entries(model.model.layers[i].self_attn, part[4:])
             else:
-                raise SystemExit(f"unknown part {part!r}; allowed: o_proj, attn, exact-window, own-keys, own-values, own-both")
+                raise SystemExit(f"unknown part {part!r}; allowed: o_proj, attn, windowN, exact-window, window-only, own-keys, own-values, own-both")
     return model
 
 
@@ -153,14 +165,18 @@ def main() -> None:
     converted = load_source(args.converted).model.eval()
     if getattr(converted.config, "csa2_read_path", None):
         converted.config.csa2_read_path = "scores"  # exact like the reference "gather", much faster at these lengths
-    variants = [("as converted", converted)]
-    for spec in args.restore:
-        model, names = copy.deepcopy(converted), []  # patched methods close over this copy's modules
-        for change in spec.split("/"):  # e.g. exact-window:5/own-both:11,17
-            part, layers = change.split(":")
-            restore(model, source.model, part, layers)
-            names.append(f"{part} in {layers}")
-        variants.append((" + ".join(names), model))
+
+    def variants():
+        """(name, model) per variant, built one at a time (a copy of the model each)."""
+        yield "as converted", converted
+        for spec in args.restore:
+            model, names = copy.deepcopy(converted), []  # patched methods close over this copy's modules
+            for change in spec.split("/"):  # e.g. exact-window:5/own-both:11,17
+                part, layers = change.split(":")
+                restore(model, source.model, part, layers)
+                names.append(f"{part} in {layers}")
+            yield " + ".join(names), model
+
     print("| variant | context | answers far | near | answer NLL | top-1 agreement | KL |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for context in [int(c) for c in args.context.split(",")]:
@@ -168,7 +184,7 @@ def main() -> None:
         probes = make_probes(source.tokenizer, windows, args.per_depth)
         ref = answer_check(source.model, probes)
         print(f"| source | {context} | {ref.far}/{ref.per_depth} | {ref.near}/{ref.per_depth} | {ref.answer_nll:.3f} | 1 | 0 |")
-        for name, model in variants:
+        for name, model in variants():
             check = answer_check(model, probes)
             cmp = compare_models(source.model, model, windows[:1], bucket=context)
             print(f"| {name} | {context} | {check.far}/{check.per_depth} | {check.near}/{check.per_depth} | "

@@ -118,6 +118,9 @@ class AttentionSpec:
     """
 
     kind: ClassVar[str]
+    # Flags added after checkpoints were saved: written only when set, so an older config saves
+    # back byte for byte.
+    _OPTIONAL_FLAGS: ClassVar[frozenset[str]] = frozenset({"exact_window"})
     num_key_value_heads: int  # KV heads of the layer; divides num_attention_heads
     sinks: bool = False  # one learned sink logit per query head (see sink_attention.py)
 
@@ -155,7 +158,7 @@ class AttentionSpec:
             data["mode"] = self.mode
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if value is not None and not (f.name in self._OPTIONAL_FLAGS and value is False):
                 data[f.name] = _to_json(value)
         return data
 

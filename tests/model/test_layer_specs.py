@@ -25,11 +25,11 @@ from hf_csa2.model.layer_specs import (
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints-0.1"
 HEADS, HEAD_DIM = 4, 12  # pair indices lie in [0, 6)
 GEOMETRY = {"num_attention_heads": HEADS, "head_dim": HEAD_DIM, "qk_norm": False}
-KEYS = {  # every key to_dict writes, per kind/mode (defaults written out)
+KEYS = {  # every key to_dict writes, per kind/mode (defaults written out; exact_window only when true)
     "dense": {"kind", "num_key_value_heads", "sinks"},
     "mla": {"kind", "num_key_value_heads", "sinks", "kv_lora_rank", "rope_pairs", "latent_norm"},
     "full": {"kind", "mode", "num_key_value_heads", "sinks", "kv_lora_rank", "rope_pairs", "latent_norm", "window",
-             "top_k", "index_heads", "index_head_dim", "index_rope_pairs"},
+             "top_k", "index_heads", "index_head_dim", "index_rope_pairs", "exact_window"},
     "swa": {"kind", "mode", "num_key_value_heads", "sinks", "window", "sink_tokens"},
     "reuse": {"kind", "mode", "num_key_value_heads", "sinks", "window", "sink_tokens", "source", "entries"},
     "reindex": {"kind", "mode", "num_key_value_heads", "sinks", "window", "sink_tokens", "source", "entries", "top_k",
@@ -77,7 +77,8 @@ def full_spec(draw, window=None) -> dict:
     pairs = draw(index_rope_pairs)
     return {"kind": "csa2", "mode": "full", **draw(mla_fields()), "window": window or draw(positive),
             "top_k": draw(positive), "index_heads": draw(positive), "index_head_dim": max(1, 2 * len(pairs) + draw(st.integers(0, 8))),
-            **({"index_rope_pairs": pairs} if pairs or draw(st.booleans()) else {})}
+            **({"index_rope_pairs": pairs} if pairs or draw(st.booleans()) else {}),
+            **draw(maybe({"exact_window": st.booleans()}))}
 
 
 @st.composite
@@ -108,13 +109,14 @@ def test_every_kind_and_mode_round_trips_through_its_json_form(data):
     assert json.loads(json.dumps(written)) == written  # plain JSON
     # Cross-layer fields stay unset until check_csa2_sources fills them in.
     derived = {"entries", "index_head_dim", "index_rope_pairs"} - set(data) if "source" in data else set()
-    assert set(written) == KEYS[data.get("mode", data["kind"])] - derived
+    unset = {"exact_window"} - ({"exact_window"} if data.get("exact_window") else set())  # written only when true
+    assert set(written) == KEYS[data.get("mode", data["kind"])] - derived - unset
     for key, value in data.items():  # given values are kept (pair lists sorted)
         if key == "rope_pairs":
             value = [sorted(p) for p in value]
         elif key == "index_rope_pairs":
             value = sorted(value)
-        assert written[key] == value, key
+        assert written.get(key, False) == value, key
 
 
 @st.composite
