@@ -211,7 +211,8 @@ class PlanBank:
         specs = csa2_layer_specs(self.full_specs, self.dense.config.attention_layers, modes, sources,
                                  window=self.opts.window, top_k=self.opts.top_k, index_heads=first["index_heads"],
                                  index_head_dim=first["index_head_dim"], index_rope_pairs=first["index_rope_pairs"],
-                                 sinks=self.plan.sinks, sink_tokens=self.plan.sink_tokens)
+                                 sinks=self.plan.sinks, sink_tokens=self.plan.sink_tokens,
+                                 exact_window=self.plan.exact_window)
         return validate_csa2_sources(specs)
 
     def modes(self, full_layers: Iterable[int]) -> list[str]:

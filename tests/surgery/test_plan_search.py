@@ -2,6 +2,7 @@
 optimum), budget parsing, plans assembled in place by the bank (real, saveable models), and
 ``hf-csa2 plan`` end to end on a tiny checkpoint."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -146,17 +147,18 @@ def test_pareto_envelope_is_monotone():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_an_installed_plan_is_a_real_model(arch):
+def test_an_installed_plan_is_a_real_model(arch, exact_window=False):
     """The bank's in-place plan has a consistent config and state: rebuilt from them it gives
     the same logits, and its all-full plan is the all-full conversion."""
     torch.manual_seed(0)
     src = tiny_model(arch, num_layers=5)
     mla = MLA if arch != "qwen3" else MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4, rope_key="per_head")
     fit, score = windows(6), windows(2, seed=4)
-    bank = PlanBank(src, fit, score, CSA2, mla)
+    plan = dataclasses.replace(CSA2, exact_window=exact_window)
+    bank = PlanBank(src, fit, score, plan, mla)
     ids = windows(1, 33, seed=5)
     with torch.no_grad():
-        reference, _ = apply_csa2(src, CSA2, mla, windows=fit)
+        reference, _ = apply_csa2(src, plan, mla, windows=fit)
         bank.install(range(5))
         assert torch.allclose(bank.model(ids).logits, reference(ids).logits, atol=1e-5)
         modes = bank.install([1, 3])
@@ -165,6 +167,12 @@ def test_an_installed_plan_is_a_real_model(arch):
         assert [s["mode"] for s in rebuilt.config.attention_layers] == modes
         assert torch.allclose(bank.model(ids).logits, rebuilt(ids).logits, atol=1e-5)
     assert (3, "reuse", 1) not in bank.parts and (2, "reuse", 1) in bank.parts and (4, "reuse", 3) in bank.parts
+    full = [s for s in bank.model.config.attention_layers if s["mode"] == "full"]
+    assert [s.get("exact_window", False) for s in full] == [exact_window] * 2
+
+
+def test_an_installed_plan_keeps_the_exact_window_of_its_full_layers():
+    test_an_installed_plan_is_a_real_model("llama", exact_window=True)
 
 
 def test_a_part_that_fails_to_fit_leaves_the_installed_plan_as_it_was(monkeypatch):
