@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from .held_out import BestState
 LOSSES = ("kd", "kd+lm", "lm")
 TRAINABLE = ("attention", "all")
 ADAPTER_FILE = "adapter_model.safetensors"
+INDEX_LOSS = "index_loss"  # the key of an indexer loss in the student's output (hf_csa2.train.indexer_phase)
 
 
 def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -131,16 +133,23 @@ class DistillationTrainer(Trainer):
     ``eval_<name>_ppl_ratio`` and ``eval_<name>_kl``. ``adapter_extras``: parameters trained in
     full beside LoRA, written into every saved adapter file (checkpoints included, so
     ``resume_from_checkpoint`` restores them too).
+
+    ``indexer``: an :class:`~hf_csa2.train.indexer_phase.IndexerLoss` on the student and this
+    ``teacher`` (None: no indexer loss). The first ``indexer_steps`` optimizer steps train the
+    indexers alone on it (every other parameter frozen during the forward); later steps add it to
+    the distillation loss with ``indexer_weight`` (0: the indexers stay as they are).
     """
 
     def __init__(self, *args, teacher, held_out: dict[str, torch.Tensor], loss: str = "kd",
                  temperature: float = 1.0, lm_weight: float = 0.5, adapter_extras: list[str] = (),
-                 evaluate_at_start: bool = True, **kwargs):
+                 evaluate_at_start: bool = True, indexer=None, indexer_steps: int = 0,
+                 indexer_weight: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval()
         for p in self.teacher.parameters():
             p.requires_grad_(False)
         self.loss_kind, self.temperature, self.lm_weight = loss, temperature, lm_weight
+        self.indexer, self.indexer_steps, self.indexer_weight = indexer, indexer_steps, indexer_weight
         self.held_out = held_out
         self.adapter_extras = list(adapter_extras)
         self.teacher_nll = {name: mean_nll(self.teacher, w)["nll"] for name, w in held_out.items()}
@@ -148,14 +157,26 @@ class DistillationTrainer(Trainer):
         if evaluate_at_start:
             self.add_callback(_EvaluateAtStart(self))
 
+    def in_indexer_phase(self) -> bool:
+        """Whether the current step trains the indexers alone."""
+        return self.indexer is not None and self.state.global_step < self.indexer_steps
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids = inputs["input_ids"]
-        out = model(input_ids=ids, use_cache=False)
+        alone = self.in_indexer_phase()
+        index = self.indexer is not None and (alone or self.indexer_weight > 0)
         teacher_logits = None
-        if self.loss_kind != "lm":
-            with torch.no_grad():
+        if index or self.loss_kind != "lm":
+            with torch.no_grad(), self.indexer.teacher_targets() if index else nullcontext():
                 teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
-        loss = distillation_loss(out.logits, teacher_logits, ids, self.loss_kind, self.temperature, self.lm_weight)
+        with self.indexer.active() if index else nullcontext(), training_only(model, self.indexer.parameters()) if alone else nullcontext():
+            out = model(input_ids=ids, use_cache=False)
+        if alone:
+            loss = out[INDEX_LOSS]
+        else:
+            loss = distillation_loss(out.logits, teacher_logits, ids, self.loss_kind, self.temperature, self.lm_weight)
+            if index:
+                loss = loss + self.indexer_weight * out[INDEX_LOSS]
         if not torch.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss.item()} at step {self.state.global_step + 1}; "
                                      f"lower the learning rate (now {self.args.learning_rate})")
@@ -194,6 +215,21 @@ class DistillationTrainer(Trainer):
                                 self.adapter_extras)
 
 
+@contextmanager
+def training_only(model: torch.nn.Module, keep: list[torch.nn.Parameter]):
+    """Within: of ``model``'s trainable parameters only ``keep`` take part in the autograd graph; the
+    others are frozen and get their flag back on exit (a graph built inside keeps what it saw)."""
+    kept = {id(p) for p in keep}
+    frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in kept]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
 class _EvaluateAtStart(TrainerCallback):
     """The held-out figures before the first step, in the run's own log history (``train`` starts a
     new state, so an ``evaluate`` called before it would not be kept)."""
@@ -229,5 +265,5 @@ class KeepBest(TrainerCallback):
             self.kept.restore()
 
 
-__all__ = ["ADAPTER_FILE", "DistillationTrainer", "KeepBest", "LOSSES", "TRAINABLE", "distillation_loss",
-           "save_adapter_extras", "token_kl", "trainable_parameters", "trainer_arguments", "unshare_from"]
+__all__ = ["ADAPTER_FILE", "DistillationTrainer", "INDEX_LOSS", "KeepBest", "LOSSES", "TRAINABLE", "distillation_loss",
+           "save_adapter_extras", "token_kl", "trainable_parameters", "trainer_arguments", "training_only", "unshare_from"]

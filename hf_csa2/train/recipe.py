@@ -64,11 +64,25 @@ class DataSpec:
 class LossSpec:
     """``kd``: forward KL(teacher || student) of the next-token distributions at ``temperature``
     (scaled by temperature^2); ``lm``: next-token cross-entropy on the text; ``kd+lm``:
-    ``(1 - lm_weight) * kd + lm_weight * lm``."""
+    ``(1 - lm_weight) * kd + lm_weight * lm``.
+
+    CSA2 students (full / reindex layers have indexers, which no distillation loss reaches): the
+    indexer loss is KL(teacher's head-summed dense attention || indexer distribution) over the
+    positions an indexer may pick (DeepSeek-V3.2 DSA). The first ``indexer_steps`` steps train the
+    indexers alone on it (stage 1); afterwards it is added to the loss above with ``indexer_weight``
+    (stage 2; 0 keeps the indexers as stage 1 left them)."""
 
     kind: Annotated[Literal[LOSSES], doc("kd, kd+lm or lm")] = "kd"
     temperature: Annotated[number_in(100.0), doc("softmax temperature of both distributions in kd")] = 1.0
     lm_weight: Annotated[number_in(1.0, positive=False), doc("weight of the lm term in kd+lm")] = 0.5
+    indexer_steps: Annotated[int_in(0, MAX_STEPS), doc(
+        "CSA2: first optimizer steps that train only the indexers, on the indexer loss (counted in steps)")] = 0
+    indexer_weight: Annotated[number_in(100.0, positive=False), doc(
+        "CSA2: weight of the indexer loss beside the loss above after the indexer steps")] = 0.0
+
+    @property
+    def uses_indexer(self) -> bool:
+        return self.indexer_steps > 0 or self.indexer_weight > 0
 
 
 @dataclass(config=CONFIG)
@@ -151,9 +165,13 @@ class Recipe:
         if data.get("peft") is True:
             data["peft"] = {}
         try:
-            return _ADAPTER.validate_python(data)
+            recipe = _ADAPTER.validate_python(data)
         except ValidationError as err:
             raise RecipeError(describe(err, Recipe, "recipe")) from None
+        if recipe.loss.indexer_steps >= recipe.steps:
+            raise RecipeError(f"recipe.loss.indexer_steps={recipe.loss.indexer_steps} must be less than "
+                              f"recipe.steps={recipe.steps} (the indexer steps come first, then the distillation)")
+        return recipe
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -34,6 +34,7 @@ from ..io.sources import load_source, resolve_source
 from ..surgery.pipeline import convert
 from ..surgery.plan import ConversionPlan
 from .data import training_blocks
+from .indexer_phase import IndexerLoss, dense_teacher, indexed_layers
 from .recipe import Recipe, RecipeError
 from ..engine.trainer import DistillationTrainer, save_adapter_extras
 from .trainer import prepare_student, training_arguments
@@ -125,6 +126,9 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     out = Path(out_dir).absolute()
     teacher_name, checkpoint = check_inputs(recipe, out, resume=resume, overwrite=overwrite)
     student, teacher, tokenizer, student_report = load_models(recipe, teacher_name, log)
+    if recipe.loss.uses_indexer and not indexed_layers(student):
+        raise RecipeError(f"loss.indexer_steps / loss.indexer_weight need a CSA2 student with full or reindex layers "
+                          f"(they have indexers); student={recipe.student!r} has none; set both to 0")
     args = training_arguments(recipe, out / "checkpoints")
     if _rank() == 0 and not resume:
         if out.exists():
@@ -138,12 +142,17 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     held_out = {_eval_name(t): token_windows(tokenizer, resolve_text(t), recipe.eval.seq_len, recipe.eval.windows)
                 for t in recipe.eval.texts}
     model, full_names = prepare_student(student, teacher, recipe)
+    indexer = None
+    if recipe.loss.uses_indexer:
+        teacher = dense_teacher(teacher)  # the same logits; its layers give the dense attention targets
+        indexer = IndexerLoss(model, teacher)
     trainer = DistillationTrainer(
         model=model, args=args, train_dataset=train_data,
         eval_dataset=datasets.Dataset.from_dict({"input_ids": next(iter(held_out.values())).tolist()}),
         data_collator=default_data_collator, processing_class=tokenizer,
         teacher=teacher, held_out=held_out, loss=recipe.loss.kind, temperature=recipe.loss.temperature,
-        lm_weight=recipe.loss.lm_weight,
+        lm_weight=recipe.loss.lm_weight, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
+        indexer_weight=recipe.loss.indexer_weight,
         adapter_extras=full_names if recipe.peft is not None else [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"train: {len(train_data)} blocks of {recipe.data.seq_len} tokens; {trainable:,} trainable values "
