@@ -29,6 +29,7 @@ import yaml
 from .data.corpus import read_text, resolve_text
 from .data.windows import token_windows
 from .errors import InputError, UserError, one_line
+from .evals.answers import compare_answers, format_answers_table, write_answers_json
 from .evals.bench import bench, format_bench_table
 from .evals.compare import compare_models, format_compare_tables, write_compare_json
 from .evals.lm_eval_glue import (
@@ -219,8 +220,11 @@ def _train(args) -> int:
         last = history[-1]
         ratios = ", ".join(f"{k.removeprefix('eval_').removesuffix('_ppl_ratio')} {v:.3f}" for k, v in last.items()
                            if k.endswith("_ppl_ratio"))
+        answers = "".join(f"; {k.removeprefix('eval_').removesuffix('_answers_far')} answers far {v}"
+                          f"/{recipe.eval.answers} near {last[k.replace('_far', '_near')]}/{recipe.eval.answers}"
+                          for k, v in last.items() if k.endswith("_answers_far"))
         print(f"trained {report['steps']} steps ({report['tokens_seen']:,} tokens, {report['seconds']:.0f} s); "
-              f"held-out ppl ratio to the teacher: {ratios}; outputs in {out}")
+              f"held-out ppl ratio to the teacher: {ratios}{answers}; outputs in {out}")
     return 0
 
 
@@ -233,6 +237,18 @@ def _eval_ppl(args) -> int:
     print(format_ppl_table(results))
     if args.json:
         write_ppl_json(results, args.json)
+    return 0
+
+
+def _eval_answers(args) -> int:
+    inputs = _models(args.models) + [("text", resolve_text(args.text))]
+    if args.json:
+        check_output_file(args.json, inputs=inputs)
+    entries = [(name, (lambda n=name: _load(n, args))) for name in args.models]
+    results = compare_answers(entries, args.text, context=args.context, per_depth=args.per_depth, seed=args.seed)
+    print(format_answers_table(results))
+    if args.json:
+        write_answers_json(results, args.json, text=args.text, seed=args.seed)
     return 0
 
 
@@ -547,6 +563,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write results JSON here (a file)")
     _trust_flag(p)
     p.set_defaults(func=_eval_ppl)
+
+    p = ev.add_parser("answers", help="facts planted far back / near the end of real text, asked back (answer check)")
+    p.add_argument("models", nargs="+", help="models (folders, sources or aliases) sharing one tokenizer")
+    p.add_argument("--text", default="python-docs:heldout", help="text file or folder, or a named corpus (the filler)")
+    p.add_argument("--context", type=_window_length, default=512, help="tokens per probe")
+    p.add_argument("--per-depth", type=_positive_int, default=20, help="probes per depth (far, near)")
+    p.add_argument("--seed", type=int, default=0, help="which facts and names are drawn")
+    p.add_argument("--json", help="write results JSON here (a file)")
+    _trust_flag(p)
+    p.set_defaults(func=_eval_answers)
 
     p = ev.add_parser("compare", help="where a conversion departs from its source: per position bucket and per layer")
     p.add_argument("source")

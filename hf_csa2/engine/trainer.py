@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..metrics.answer_check import answer_check
 from ..metrics.perplexity import mean_nll
 from .held_out import BestState
 
@@ -130,7 +131,9 @@ class DistillationTrainer(Trainer):
     """``Trainer`` with a distillation loss toward a frozen teacher and held-out evaluation.
 
     ``held_out``: name -> token windows ``[N, T]``; every evaluation logs
-    ``eval_<name>_ppl_ratio`` and ``eval_<name>_kl``. ``adapter_extras``: parameters trained in
+    ``eval_<name>_ppl_ratio`` and ``eval_<name>_kl``; ``probes``: name -> answer-check probes
+    (:func:`~hf_csa2.metrics.answer_check.make_probes`), logged as ``eval_<name>_answers_far`` /
+    ``_near`` (the teacher's, measured once, are in ``teacher_answers``). ``adapter_extras``: parameters trained in
     full beside LoRA, written into every saved adapter file (checkpoints included, so
     ``resume_from_checkpoint`` restores them too).
 
@@ -143,7 +146,7 @@ class DistillationTrainer(Trainer):
     def __init__(self, *args, teacher, held_out: dict[str, torch.Tensor], loss: str = "kd",
                  temperature: float = 1.0, lm_weight: float = 0.5, adapter_extras: list[str] = (),
                  evaluate_at_start: bool = True, indexer=None, indexer_steps: int = 0,
-                 indexer_weight: float = 0.0, **kwargs):
+                 indexer_weight: float = 0.0, probes: dict[str, list] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval()
         for p in self.teacher.parameters():
@@ -153,6 +156,8 @@ class DistillationTrainer(Trainer):
         self.held_out = held_out
         self.adapter_extras = list(adapter_extras)
         self.teacher_nll = {name: mean_nll(self.teacher, w)["nll"] for name, w in held_out.items()}
+        self.probes = dict(probes or {})
+        self.teacher_answers = {name: answer_check(self.teacher, p).to_dict() for name, p in self.probes.items()}
         self.model_accepts_loss_kwargs = False  # our loss is a per-token mean: Trainer scales it for accumulation
         if evaluate_at_start:
             self.add_callback(_EvaluateAtStart(self))
@@ -189,6 +194,11 @@ class DistillationTrainer(Trainer):
             nll = mean_nll(model, windows)["nll"]
             metrics[f"{metric_key_prefix}_{name}_ppl_ratio"] = math.exp(nll - self.teacher_nll[name])
             metrics[f"{metric_key_prefix}_{name}_kl"] = self.held_out_kl(model, windows)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PeftModel's LoRA stays in
+        for name, probes in self.probes.items():
+            check = answer_check(base, probes)
+            metrics[f"{metric_key_prefix}_{name}_answers_far"] = check.far
+            metrics[f"{metric_key_prefix}_{name}_answers_near"] = check.near
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics

@@ -95,7 +95,7 @@ def make_probes(tokenizer, filler: torch.Tensor, per_depth: int, seed: int = 0) 
         room = t - len(bos) - len(fact) - len(cue) - len(answer)
         if room < 8:
             raise ValueError(f"windows of {t} tokens are too short for the answer check (need >= "
-                             f"{t - room + 8}); use longer calibration windows")
+                             f"{t - room + 8} tokens); use longer windows")
         text = filler[i // 2 % m, :room].tolist()
         at = int(DEPTHS[depth] * room)
         ids = bos + text[:at] + fact + text[at:] + cue + answer

@@ -115,13 +115,16 @@ class ScheduleSpec:
 @dataclass(config=CONFIG)
 class EvalSpec:
     """Held-out perplexity ratio to the teacher on fixed windows, every ``every`` steps (and at
-    the start and end)."""
+    the start and end); with ``answers`` also the answer check (:mod:`hf_csa2.metrics.answer_check`)."""
 
     every: Annotated[int_in(1, MAX_STEPS), doc("evaluate every N optimizer steps")] = 50
     texts: Annotated[list[Text], Field(min_length=1), doc("held-out corpora or files scored")] = dataclasses.field(
         default_factory=lambda: ["python-docs:heldout", "fortunes:heldout"])
     seq_len: Annotated[int_in(2, MAX_SEQ), doc("tokens per held-out window")] = 512
     windows: Annotated[int_in(1, 4096), doc("held-out windows per text")] = 4
+    answers: Annotated[int_in(0, 64), doc(
+        "answer check at every evaluation: facts planted far / near in seq_len-token windows of each text, "
+        "asked back; probes per depth (0: off)")] = 0
 
 
 @dataclass(config=CONFIG)

@@ -29,6 +29,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from ..data.corpus import resolve_text
 from ..data.windows import token_windows
 from ..io.checkpoint import save_checkpoint
+from ..metrics.answer_check import make_probes
 from ..io.output import OUTPUT_MARKER, check_output_dir, check_results_dir
 from ..io.sources import load_source, resolve_source
 from ..surgery.pipeline import convert
@@ -120,6 +121,20 @@ def load_models(recipe: Recipe, teacher_name: str, log: Callable[[str], None]):
     return student, teacher.model, tokenizer, report
 
 
+def held_out_sets(recipe: Recipe, tokenizer) -> tuple[dict, dict]:
+    """The held-out token windows ``[N, T]`` and answer-check probes of every ``eval.texts``, by metric name."""
+    held_out = {_eval_name(t): token_windows(tokenizer, resolve_text(t), recipe.eval.seq_len, recipe.eval.windows)
+                for t in recipe.eval.texts}
+    probes = {}
+    for t in recipe.eval.texts if recipe.eval.answers else ():
+        filler = token_windows(tokenizer, resolve_text(t), recipe.eval.seq_len, recipe.eval.answers)
+        try:
+            probes[_eval_name(t)] = make_probes(tokenizer, filler, recipe.eval.answers)
+        except ValueError as err:
+            raise RecipeError(f"eval.answers={recipe.eval.answers} with eval.seq_len={recipe.eval.seq_len}: {err}") from None
+    return held_out, probes
+
+
 def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
                log: Callable[[str], None] = print) -> dict:
     """Train ``recipe`` into ``out_dir`` (see the module docstring); returns the training report."""
@@ -129,6 +144,7 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     if recipe.loss.uses_indexer and not indexed_layers(student):
         raise RecipeError(f"loss.indexer_steps / loss.indexer_weight need a CSA2 student with full or reindex layers "
                           f"(they have indexers); student={recipe.student!r} has none; set both to 0")
+    held_out, probes = held_out_sets(recipe, tokenizer)
     args = training_arguments(recipe, out / "checkpoints")
     if _rank() == 0 and not resume:
         if out.exists():
@@ -139,8 +155,6 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     started = time.perf_counter()
     with args.main_process_first(desc="training data"):
         train_data = training_blocks(recipe.data, tokenizer)
-    held_out = {_eval_name(t): token_windows(tokenizer, resolve_text(t), recipe.eval.seq_len, recipe.eval.windows)
-                for t in recipe.eval.texts}
     model, full_names = prepare_student(student, teacher, recipe)
     indexer = None
     if recipe.loss.uses_indexer:
@@ -152,7 +166,7 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
         data_collator=default_data_collator, processing_class=tokenizer,
         teacher=teacher, held_out=held_out, loss=recipe.loss.kind, temperature=recipe.loss.temperature,
         lm_weight=recipe.loss.lm_weight, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
-        indexer_weight=recipe.loss.indexer_weight,
+        indexer_weight=recipe.loss.indexer_weight, probes=probes,
         adapter_extras=full_names if recipe.peft is not None else [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"train: {len(train_data)} blocks of {recipe.data.seq_len} tokens; {trainable:,} trainable values "
@@ -167,7 +181,7 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
         "tokens_seen": trainer.state.global_step * recipe.batch * recipe.grad_accum * args.world_size
         * recipe.data.seq_len,
         "seconds": round(time.perf_counter() - started, 1), "resumed_from": str(checkpoint) if checkpoint else None,
-        "trainable_values": trainable, "full_parameters": full_names,
+        "trainable_values": trainable, "full_parameters": full_names, "teacher_answers": trainer.teacher_answers,
         "history": trainer.state.log_history,
     }
     if trainer.is_world_process_zero():

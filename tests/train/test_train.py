@@ -142,6 +142,25 @@ def test_native_student_stays_native_and_full_training_works(work):
     assert len(losses(report)) == 3
 
 
+def test_answer_check_at_every_evaluation(work, tmp_path):
+    """eval.answers: the answer check on probes cut from the held-out text, logged at each evaluation;
+    the last one equals the check run by hand on the merged model, the teacher's is in the report."""
+    from hf_csa2.data.windows import token_windows
+    from hf_csa2.metrics.answer_check import answer_check, make_probes
+
+    sets = recipe_sets(work, "mla", "steps=3", "eval.answers=2", "eval.seq_len=160")
+    report = run_recipe(load_recipe(None, sets), tmp_path / "out", log=lambda m: None)
+    logged = [(h["step"], h["eval_text_answers_far"], h["eval_text_answers_near"]) for h in report["history"]
+              if "eval_text_answers_far" in h]
+    assert [s for s, _, _ in logged] == [0, 3]
+    tok = load_source(work / "src").tokenizer
+    probes = make_probes(tok, token_windows(tok, work / "text.txt", 160, 2), 2)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged", trust_remote_code=True)
+    check = answer_check(merged, probes)
+    assert logged[-1][1:] == (check.far, check.near)
+    assert report["teacher_answers"]["text"] == answer_check(load_source(work / "src").model, probes).to_dict()
+
+
 def test_resume_continues_to_the_same_losses(trained, work):
     out, report = trained
     resumed = work / "out-resumed"
@@ -196,6 +215,8 @@ def test_bad_recipes_exit_2_and_write_nothing(work, tmp_path, capsys):
         (["--set", f"teacher={other}", "--set", f"data.text={work / 'text.txt'}",
           "--set", f"eval.texts=[{work / 'text.txt'}]"], "another tokenizer"),
         (["--resume"], "holds no checkpoint"),
+        (["--set", f"data.text={work / 'text.txt'}", "--set", f"eval.texts=[{work / 'text.txt'}]",
+          "--set", "eval.answers=2", "--set", "eval.seq_len=64"], "eval.answers=2 with eval.seq_len=64"),
     ]
     before = tree_digest(work / "mla")
     capsys.readouterr()  # the fixtures' progress output
