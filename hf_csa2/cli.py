@@ -221,7 +221,7 @@ def _train(args) -> int:
         ratios = ", ".join(f"{k.removeprefix('eval_').removesuffix('_ppl_ratio')} {v:.3f}" for k, v in last.items()
                            if k.endswith("_ppl_ratio"))
         answers = "".join(f"; {k.removeprefix('eval_').removesuffix('_answers_far')} answers far {v}"
-                          f"/{recipe.eval.answers} near {last[k.replace('_far', '_near')]}/{recipe.eval.answers}"
+                          f"/{recipe.eval.answers} near {last[k.removesuffix('_far') + '_near']}/{recipe.eval.answers}"
                           for k, v in last.items() if k.endswith("_answers_far"))
         print(f"trained {report['steps']} steps ({report['tokens_seen']:,} tokens, {report['seconds']:.0f} s); "
               f"held-out ppl ratio to the teacher: {ratios}{answers}; outputs in {out}")

@@ -16,6 +16,7 @@ losses, and several processes (``torchrun`` / ``accelerate launch``). What this 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from contextlib import contextmanager, nullcontext
@@ -139,20 +140,26 @@ class DistillationTrainer(Trainer):
 
     ``indexer``: an :class:`~hf_csa2.train.indexer_phase.IndexerLoss` on the student and this
     ``teacher`` (None: no indexer loss). The first ``indexer_steps`` optimizer steps train the
-    indexers alone on it (every other parameter frozen during the forward); later steps add it to
-    the distillation loss with ``indexer_weight`` (0: the indexers stay as they are).
+    indexers alone on it (every other parameter frozen during the forward, at a constant rate); the
+    learning-rate schedule (warm-up included) then starts for the distillation steps, which add the
+    indexer loss with ``indexer_weight`` (0: the indexers stay as they are). Indexers get no other
+    gradient, so under AdamW their step size is ``indexer_lr`` (None: the run's rate), whatever the
+    weight; the weight sets the indexer loss's share of the gradient norm that clipping bounds.
     """
 
     def __init__(self, *args, teacher, held_out: dict[str, torch.Tensor], loss: str = "kd",
                  temperature: float = 1.0, lm_weight: float = 0.5, adapter_extras: list[str] = (),
                  evaluate_at_start: bool = True, indexer=None, indexer_steps: int = 0,
-                 indexer_weight: float = 0.0, probes: dict[str, list] | None = None, **kwargs):
+                 indexer_weight: float = 0.0, indexer_lr: float | None = None, probes: dict[str, list] | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval()
         for p in self.teacher.parameters():
             p.requires_grad_(False)
         self.loss_kind, self.temperature, self.lm_weight = loss, temperature, lm_weight
         self.indexer, self.indexer_steps, self.indexer_weight = indexer, indexer_steps, indexer_weight
+        self.indexer_lr = indexer_lr
+        self._index_sum, self._index_count = 0.0, 0  # the indexer loss since the last log line
         self.held_out = held_out
         self.adapter_extras = list(adapter_extras)
         self.teacher_nll = {name: mean_nll(self.teacher, w)["nll"] for name, w in held_out.items()}
@@ -171,10 +178,14 @@ class DistillationTrainer(Trainer):
         alone = self.in_indexer_phase()
         index = self.indexer is not None and (alone or self.indexer_weight > 0)
         teacher_logits = None
-        if index or self.loss_kind != "lm":
+        if alone:  # the teacher's layers give the targets; its logits are not needed
+            with torch.no_grad(), self.indexer.teacher_targets():
+                self.teacher.model(input_ids=ids, use_cache=False)
+        elif index or self.loss_kind != "lm":
             with torch.no_grad(), self.indexer.teacher_targets() if index else nullcontext():
                 teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
-        with self.indexer.active() if index else nullcontext(), training_only(model, self.indexer.parameters()) if alone else nullcontext():
+        with self.indexer.active() if index else nullcontext(), \
+                training_only(model, self.indexer.parameters()) if alone else nullcontext():
             out = model(input_ids=ids, use_cache=False)
         if alone:
             loss = out[INDEX_LOSS]
@@ -182,10 +193,49 @@ class DistillationTrainer(Trainer):
             loss = distillation_loss(out.logits, teacher_logits, ids, self.loss_kind, self.temperature, self.lm_weight)
             if index:
                 loss = loss + self.indexer_weight * out[INDEX_LOSS]
+        if index:
+            self._index_sum += float(out[INDEX_LOSS].detach())
+            self._index_count += 1
         if not torch.isfinite(loss):
             raise FloatingPointError(f"training loss is {loss.item()} at step {self.state.global_step + 1}; "
                                      f"lower the learning rate (now {self.args.learning_rate})")
         return (loss, out) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Training log lines also carry ``index_kl``, the mean indexer loss since the last line."""
+        if "loss" in logs and self._index_count:
+            logs["index_kl"] = self._index_sum / self._index_count
+            self._index_sum, self._index_count = 0.0, 0
+        super().log(logs, start_time)
+
+    def create_optimizer(self, model=None):
+        """AdamW as the Trainer builds it; with ``indexer_lr`` the indexer parameters in groups of their own."""
+        made = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if made and self.indexer is not None and self.indexer_lr is not None:
+            ids = {id(p) for p in self.indexer.parameters()}
+            groups = []
+            for group in optimizer.param_groups:
+                mine = [p for p in group["params"] if id(p) in ids]
+                group["params"] = [p for p in group["params"] if id(p) not in ids]
+                if mine:
+                    groups.append({**group, "params": mine, "lr": self.indexer_lr})
+            optimizer.param_groups = [g for g in optimizer.param_groups if g["params"]]
+            for group in groups:
+                optimizer.add_param_group(group)
+        return optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """With indexer steps: a constant rate during them, then the recipe's schedule (warm-up, then
+        cosine / linear / constant decay) over the distillation steps."""
+        if self.indexer is None or not self.indexer_steps or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        factor = functools.partial(two_stage_factor, first=self.indexer_steps, total=num_training_steps,
+                                   warmup=self.args.get_warmup_steps(num_training_steps - self.indexer_steps),
+                                   kind=str(self.args.lr_scheduler_type.value))
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         model = self.accelerator.unwrap_model(self.model)
@@ -199,6 +249,7 @@ class DistillationTrainer(Trainer):
             check = answer_check(base, probes)
             metrics[f"{metric_key_prefix}_{name}_answers_far"] = check.far
             metrics[f"{metric_key_prefix}_{name}_answers_near"] = check.near
+            metrics[f"{metric_key_prefix}_{name}_answer_nll"] = check.answer_nll
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -223,6 +274,24 @@ class DistillationTrainer(Trainer):
         if self.adapter_extras and self.args.should_save:
             save_adapter_extras(self.accelerator.unwrap_model(self.model), output_dir or self.args.output_dir,
                                 self.adapter_extras)
+
+
+def two_stage_factor(step: int, *, first: int, total: int, warmup: int, kind: str) -> float:
+    """Learning-rate factor at optimizer ``step``: 1 for the first ``first`` steps, then the
+    ``kind`` schedule (``cosine``, ``linear`` or ``constant``, after ``warmup`` linear warm-up steps,
+    transformers' conventions) over the remaining ``total - first`` steps."""
+    if step < first:
+        return 1.0
+    s, n = step - first, max(1, total - first)
+    if s < warmup:
+        return s / max(1, warmup)
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        return max(0.0, (n - s) / max(1, n - warmup))
+    if kind == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (s - warmup) / max(1, n - warmup))))
+    raise ValueError(f"schedule kind={kind!r}; allowed: cosine, linear, constant")
 
 
 @contextmanager
@@ -276,4 +345,4 @@ class KeepBest(TrainerCallback):
 
 
 __all__ = ["ADAPTER_FILE", "DistillationTrainer", "INDEX_LOSS", "KeepBest", "LOSSES", "TRAINABLE", "distillation_loss",
-           "save_adapter_extras", "token_kl", "trainable_parameters", "trainer_arguments", "training_only", "unshare_from"]
+           "save_adapter_extras", "token_kl", "trainable_parameters", "trainer_arguments", "training_only", "two_stage_factor", "unshare_from"]

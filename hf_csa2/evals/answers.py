@@ -31,7 +31,10 @@ def compare_answers(models: Iterable[ModelEntry], text: str | os.PathLike, *, co
         name, model, tokenizer = _materialise(entry)
         if probes is None:
             filler = token_windows(tokenizer, text, window=context, max_windows=per_depth)
-            probes, vocab = make_probes(tokenizer, filler, per_depth, seed=seed), tokenizer.get_vocab()
+            try:
+                probes, vocab = make_probes(tokenizer, filler, per_depth, seed=seed), tokenizer.get_vocab()
+            except ValueError as err:
+                raise InputError(f"--context {context}: {err}") from None
         elif tokenizer.get_vocab() != vocab:
             raise InputError(f"{name}: its tokenizer differs from the first model's; the probes are the same token ids "
                              "for every model, so all must share one tokenizer")

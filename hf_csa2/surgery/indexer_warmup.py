@@ -13,9 +13,17 @@ from __future__ import annotations
 import torch
 
 
+def selectable_positions(t: int, window: int, first: int = 0, device=None) -> torch.Tensor:
+    """[T, T] bool: key ``j`` is selectable for query ``t`` when ``first <= j <= t - window`` (the
+    window is read anyway; a reader holds its first ``first`` tokens exactly)."""
+    pos = torch.arange(t, device=device)
+    return (pos[None, :] <= pos[:, None] - window) & (pos[None, :] >= first)
+
+
 @torch.no_grad()
-def dense_attention_targets(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Head-summed dense attention restricted to the selectable positions.
+def dense_attention_targets(q: torch.Tensor, k: torch.Tensor, scaling: float, window: int,
+                            first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-summed dense attention restricted to the selectable positions (:func:`selectable_positions`).
 
     q [N, HQ, T, D], k [N, H, T, D] (RoPE applied) -> (target [N, T, T] rows summing to 1 where
     valid, valid [N, T] bool).
@@ -26,20 +34,18 @@ def dense_attention_targets(q: torch.Tensor, k: torch.Tensor, scaling: float, wi
     logits = (q @ k.transpose(-1, -2)).float() * scaling
     logits = logits.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
     mass = torch.softmax(logits, dim=-1).sum(1)  # [N, T, T]
-    selectable = pos[None, :] <= pos[:, None] - window
-    mass = mass * selectable
+    mass = mass * selectable_positions(t, window, first, q.device)
     total = mass.sum(-1, keepdim=True)
     valid = total[..., 0] > 0
     return mass / total.clamp_min(1e-30), valid
 
 
-def index_log_probs(indexer, queries_hidden: torch.Tensor, position_embeddings, keys: torch.Tensor, window: int) -> torch.Tensor:
+def index_log_probs(indexer, queries_hidden: torch.Tensor, position_embeddings, keys: torch.Tensor, window: int,
+                    first: int = 0) -> torch.Tensor:
     """log-softmax of the index scores over the selectable positions [N, T, T] (-inf elsewhere)."""
     q, w = indexer.queries(queries_hidden, position_embeddings)
     scores = indexer.scores(q, w, keys)  # [N, T, S]
-    t = scores.shape[1]
-    pos = torch.arange(t, device=scores.device)
-    selectable = pos[None, :] <= pos[:, None] - window
+    selectable = selectable_positions(scores.shape[1], window, first, scores.device)
     return torch.log_softmax(scores.masked_fill(~selectable, float("-inf")), dim=-1)
 
 
@@ -98,4 +104,4 @@ def warm_up_indexer(indexer, hidden: torch.Tensor, position_embeddings, target: 
     return {"index_kl_before": before, "index_kl_after": after}
 
 
-__all__ = ["dense_attention_targets", "index_log_probs", "top_k_mass_recall", "warm_up_indexer"]
+__all__ = ["dense_attention_targets", "index_log_probs", "selectable_positions", "top_k_mass_recall", "warm_up_indexer"]

@@ -8,10 +8,14 @@ loss is how indexers learn while the rest of the student changes. A recipe runs 
 ``loss.indexer_weight``, beside the distillation loss afterwards (DSA stage 2).
 
 The indexer of layer ``i`` sees the hidden states the student feeds that layer, detached: its
-gradient stays inside the indexer. A reindex layer scores against the index keys of the full
-layer it reads (detached: only the full layer's own term trains ``wk``). The loss is computed
-inside the student's forward (hooks) and returned as ``index_loss`` in its output, so that
-DistributedDataParallel sees which parameters it reaches.
+gradient stays inside the indexer. A reindex layer scores as the model does: against the index
+keys of the full layer it reads (detached: only the full layer's own term trains ``wk``), with that
+layer's rotary table, over positions past its first ``sink_tokens`` (those it holds exactly). The
+loss is computed inside the student's forward (hooks) and returned as ``index_loss`` in its output,
+so that DistributedDataParallel sees which parameters it reaches.
+
+Over every selectable position, not only the picked Top-K (DSA's stage 2 restricts it to those):
+the targets are ``[B, T, T]`` per indexed layer, so memory grows with the square of the block.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ def indexed_layers(model: nn.Module) -> list[int]:
     return [i for i, layer in enumerate(decoder_layers(_base(model))) if getattr(layer.self_attn, "indexer", None) is not None]
 
 
+def first_selectable(attn: nn.Module) -> int:
+    """The first position a layer's indexer may usefully pick: reindex layers hold their first
+    ``sink_tokens`` exactly and drop picks there; full layers read every position from their entries."""
+    return 0 if attn.spec["mode"] == "full" else int(getattr(attn, "sink_tokens", 0) or 0)
+
+
+def shortest_block(model: nn.Module) -> int:
+    """The shortest training block in which every indexed layer has a selectable position:
+    ``window + first selectable position + 1``."""
+    layers = decoder_layers(_base(model))
+    return max(layers[i].self_attn.window + first_selectable(layers[i].self_attn) + 1 for i in indexed_layers(model))
+
+
 def dense_teacher(teacher: nn.Module) -> nn.Module:
     """``teacher`` as an hf_csa2 model with dense layers (the same logits; its attention modules
     expose ``scoring_qk``). Refused when a layer is not dense: the target is a dense attention."""
@@ -59,7 +76,9 @@ def dense_teacher(teacher: nn.Module) -> nn.Module:
 def indexer_kl(target: torch.Tensor, valid: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
     """Mean over the valid queries of KL(target || exp(log_probs)); rows [N, T, S], valid [N, T]."""
     terms = torch.where(target > 0, target * (torch.log(target.clamp_min(1e-30)) - log_probs), torch.zeros_like(target))
-    return terms.sum(-1)[valid].mean() if valid.any() else log_probs.new_zeros(())
+    if valid.any():
+        return terms.sum(-1)[valid].mean()
+    return (log_probs.masked_fill(~torch.isfinite(log_probs), 0.0) * 0.0).sum()  # zero, still in the graph
 
 
 def _layer_input(args, kwargs) -> tuple[torch.Tensor, tuple]:
@@ -86,9 +105,15 @@ class IndexerLoss:
         self.terms: list[torch.Tensor] = []
         self.keys: dict[int, torch.Tensor] = {}
         self.on = False
-        for i in self.layers:
-            self.student_attn[i].register_forward_pre_hook(self._student_hook(i), with_kwargs=True)
-        _base(student).register_forward_hook(self._attach_output)
+        self.handles = [self.student_attn[i].register_forward_pre_hook(self._student_hook(i), with_kwargs=True)
+                        for i in self.layers]
+        self.handles.append(_base(student).register_forward_hook(self._attach_output))
+
+    def remove(self) -> None:
+        """Detach the hooks from the student."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for i in self.layers for p in self.student_attn[i].indexer.parameters()]
@@ -101,9 +126,10 @@ class IndexerLoss:
         def make(i):
             def hook(module, args, kwargs):
                 hidden, pe = _layer_input(args, kwargs)
+                attn = self.student_attn[i]
                 with torch.no_grad():
                     q, k = module.scoring_qk(hidden, pe)
-                    self.targets[i] = dense_attention_targets(q, k, module.scaling, self.student_attn[i].window)
+                    self.targets[i] = dense_attention_targets(q, k, module.scaling, attn.window, first_selectable(attn))
             return hook
 
         handles = [self.teacher_attn[i].register_forward_pre_hook(make(i), with_kwargs=True) for i in self.layers]
@@ -132,11 +158,12 @@ class IndexerLoss:
             hidden, pe = _layer_input(args, kwargs)
             if attn.spec["mode"] == "full":
                 keys = attn.indexer.keys(hidden, pe)
-                self.keys[i] = keys.detach()
-            else:  # reindex: the index keys of the full layer it reads, as that layer made them
-                keys = self.keys[attn.layer_spec.entries]
+                self.keys[i] = (keys.detach(), pe)
+            else:  # reindex: the index keys and rotary table of the full layer it reads (as the model does)
+                keys, pe = self.keys[attn.layer_spec.entries]
             target, valid = self.targets[i]
-            self.terms.append(indexer_kl(target, valid, index_log_probs(attn.indexer, hidden, pe, keys, attn.window)))
+            log_probs = index_log_probs(attn.indexer, hidden, pe, keys, attn.window, first_selectable(attn))
+            self.terms.append(indexer_kl(target, valid, log_probs))
         return hook
 
     def _attach_output(self, module, args, output):
@@ -145,4 +172,5 @@ class IndexerLoss:
         return output
 
 
-__all__ = ["IndexerLoss", "dense_teacher", "indexed_layers", "indexer_kl"]
+__all__ = ["CausalLMOutputWithIndexLoss", "IndexerLoss", "dense_teacher", "first_selectable", "indexed_layers", "indexer_kl",
+           "shortest_block"]

@@ -69,8 +69,9 @@ class LossSpec:
     CSA2 students (full / reindex layers have indexers, which no distillation loss reaches): the
     indexer loss is KL(teacher's head-summed dense attention || indexer distribution) over the
     positions an indexer may pick (DeepSeek-V3.2 DSA). The first ``indexer_steps`` steps train the
-    indexers alone on it (stage 1); afterwards it is added to the loss above with ``indexer_weight``
-    (stage 2; 0 keeps the indexers as stage 1 left them)."""
+    indexers alone on it at a constant ``optim.indexer_lr`` (stage 1); then the schedule starts
+    (warm-up included) and the loss above is trained with the indexer loss added at
+    ``indexer_weight`` (stage 2; 0 keeps the indexers as stage 1 left them)."""
 
     kind: Annotated[Literal[LOSSES], doc("kd, kd+lm or lm")] = "kd"
     temperature: Annotated[number_in(100.0), doc("softmax temperature of both distributions in kd")] = 1.0
@@ -78,7 +79,8 @@ class LossSpec:
     indexer_steps: Annotated[int_in(0, MAX_STEPS), doc(
         "CSA2: first optimizer steps that train only the indexers, on the indexer loss (counted in steps)")] = 0
     indexer_weight: Annotated[number_in(100.0, positive=False), doc(
-        "CSA2: weight of the indexer loss beside the loss above after the indexer steps")] = 0.0
+        "CSA2: the indexer loss beside the loss above after the indexer steps (0: indexers frozen then); "
+        "their step size is optim.indexer_lr, the weight sets the loss's share of the clipped gradient norm")] = 0.0
 
     @property
     def uses_indexer(self) -> bool:
@@ -104,6 +106,8 @@ class OptimSpec:
     lr: Annotated[number_in(1.0), doc("AdamW learning rate")] = 1e-4
     weight_decay: Annotated[number_in(1.0, positive=False), doc("AdamW weight decay")] = 0.0
     max_grad_norm: Annotated[number_in(1e6), doc("gradient clipping norm")] = 1.0
+    indexer_lr: Annotated[Optional[number_in(1.0)], doc(
+        "CSA2: AdamW learning rate of the indexers (null: lr); they get no gradient but the indexer loss's")] = None
 
 
 @dataclass(config=CONFIG)

@@ -35,7 +35,7 @@ from ..io.sources import load_source, resolve_source
 from ..surgery.pipeline import convert
 from ..surgery.plan import ConversionPlan
 from .data import training_blocks
-from .indexer_phase import IndexerLoss, dense_teacher, indexed_layers
+from .indexer_phase import IndexerLoss, dense_teacher, indexed_layers, shortest_block
 from .recipe import Recipe, RecipeError
 from ..engine.trainer import DistillationTrainer, save_adapter_extras
 from .trainer import prepare_student, training_arguments
@@ -135,16 +135,40 @@ def held_out_sets(recipe: Recipe, tokenizer) -> tuple[dict, dict]:
     return held_out, probes
 
 
+def indexer_loss(recipe: Recipe, model, teacher) -> tuple:
+    """``(dense teacher, IndexerLoss)`` for a recipe with ``loss.indexer_steps`` / ``indexer_weight``;
+    refused (RecipeError) when the student has no indexer, none of them trains, or the blocks are too
+    short for any position to be selectable."""
+    fields = "loss.indexer_steps / loss.indexer_weight"
+    if not indexed_layers(model):
+        raise RecipeError(f"{fields} need a CSA2 student with full or reindex layers (they have indexers); "
+                          f"student={recipe.student!r} has none; set both to 0")
+    shortest = shortest_block(model)
+    if recipe.data.seq_len < shortest:
+        raise RecipeError(f"{fields}: data.seq_len={recipe.data.seq_len} leaves the indexers nothing to pick "
+                          f"(window + first tokens); use data.seq_len >= {shortest}")
+    try:
+        dense = dense_teacher(teacher)  # the same logits; its layers give the dense attention targets
+    except ValueError as err:
+        raise RecipeError(f"{fields}: {err}") from None
+    indexer = IndexerLoss(model, dense)
+    if not any(p.requires_grad for p in indexer.parameters()):
+        raise RecipeError(f"{fields} train the indexers, which this recipe freezes (peft.train_surgery_parameters: "
+                          "false, or trainable without them); let them train or set both to 0")
+    return dense, indexer
+
+
 def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
                log: Callable[[str], None] = print) -> dict:
     """Train ``recipe`` into ``out_dir`` (see the module docstring); returns the training report."""
     out = Path(out_dir).absolute()
     teacher_name, checkpoint = check_inputs(recipe, out, resume=resume, overwrite=overwrite)
     student, teacher, tokenizer, student_report = load_models(recipe, teacher_name, log)
-    if recipe.loss.uses_indexer and not indexed_layers(student):
-        raise RecipeError(f"loss.indexer_steps / loss.indexer_weight need a CSA2 student with full or reindex layers "
-                          f"(they have indexers); student={recipe.student!r} has none; set both to 0")
     held_out, probes = held_out_sets(recipe, tokenizer)
+    model, full_names = prepare_student(student, teacher, recipe)
+    indexer = None
+    if recipe.loss.uses_indexer:
+        teacher, indexer = indexer_loss(recipe, model, teacher)
     args = training_arguments(recipe, out / "checkpoints")
     if _rank() == 0 and not resume:
         if out.exists():
@@ -155,18 +179,13 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     started = time.perf_counter()
     with args.main_process_first(desc="training data"):
         train_data = training_blocks(recipe.data, tokenizer)
-    model, full_names = prepare_student(student, teacher, recipe)
-    indexer = None
-    if recipe.loss.uses_indexer:
-        teacher = dense_teacher(teacher)  # the same logits; its layers give the dense attention targets
-        indexer = IndexerLoss(model, teacher)
     trainer = DistillationTrainer(
         model=model, args=args, train_dataset=train_data,
         eval_dataset=datasets.Dataset.from_dict({"input_ids": next(iter(held_out.values())).tolist()}),
         data_collator=default_data_collator, processing_class=tokenizer,
         teacher=teacher, held_out=held_out, loss=recipe.loss.kind, temperature=recipe.loss.temperature,
         lm_weight=recipe.loss.lm_weight, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
-        indexer_weight=recipe.loss.indexer_weight, probes=probes,
+        indexer_weight=recipe.loss.indexer_weight, indexer_lr=recipe.optim.indexer_lr, probes=probes,
         adapter_extras=full_names if recipe.peft is not None else [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"train: {len(train_data)} blocks of {recipe.data.seq_len} tokens; {trainable:,} trainable values "

@@ -51,3 +51,9 @@ def test_a_model_with_another_tokenizer_is_refused(models, tmp_path):
     entries = [(str(models / "a"), lambda: load_source(models / "a")), (str(other), lambda: load_source(other))]
     with pytest.raises(ValueError, match="tokenizer differs"):
         compare_answers(entries, models / "text.txt", context=128, per_depth=2)
+
+
+def test_a_context_too_short_for_a_probe_exits_2(models, capsys):
+    code = cli_main(["eval", "answers", str(models / "a"), "--text", str(models / "text.txt"), "--context", "24"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
+    assert code == 2 and len(errors) == 1 and "--context 24" in errors[0] and "too short" in errors[0], errors

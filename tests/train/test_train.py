@@ -150,14 +150,15 @@ def test_answer_check_at_every_evaluation(work, tmp_path):
 
     sets = recipe_sets(work, "mla", "steps=3", "eval.answers=2", "eval.seq_len=160")
     report = run_recipe(load_recipe(None, sets), tmp_path / "out", log=lambda m: None)
-    logged = [(h["step"], h["eval_text_answers_far"], h["eval_text_answers_near"]) for h in report["history"]
-              if "eval_text_answers_far" in h]
-    assert [s for s, _, _ in logged] == [0, 3]
+    logged = [(h["step"], h["eval_text_answers_far"], h["eval_text_answers_near"], h["eval_text_answer_nll"])
+              for h in report["history"] if "eval_text_answers_far" in h]
+    assert [row[0] for row in logged] == [0, 3] and logged[0][3] != logged[1][3]
     tok = load_source(work / "src").tokenizer
     probes = make_probes(tok, token_windows(tok, work / "text.txt", 160, 2), 2)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged", trust_remote_code=True)
     check = answer_check(merged, probes)
-    assert logged[-1][1:] == (check.far, check.near)
+    assert logged[-1][1:3] == (check.far, check.near)
+    assert logged[-1][3] == pytest.approx(check.answer_nll, rel=1e-5)  # the trained model's answers were scored
     assert report["teacher_answers"]["text"] == answer_check(load_source(work / "src").model, probes).to_dict()
 
 
