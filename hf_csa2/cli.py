@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -47,6 +48,7 @@ from .evals.needle_eval import (
     write_reports,
 )
 from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
+from .evals.window_baseline import parse_window_model, window_model
 from .evals.report import ReportSettings, write_report
 from .export.deepseek_v3 import export_checkpoint
 from .io.output import check_output_file, check_results_dir
@@ -166,13 +168,26 @@ def _field_value(f):
     return parse
 
 
+def _source_name(name: str) -> str:
+    """The checkpoint a model argument loads (a window baseline's SOURCE)."""
+    baseline = parse_window_model(name)
+    return baseline.source if baseline else name
+
+
 def _models(names: list[str]) -> list[tuple[str, Path]]:
     """Every model argument resolved (a missing one fails before any is loaded)."""
-    return [("model", resolve_source(name)[1]) for name in names]
+    return [("model", resolve_source(_source_name(name))[1]) for name in names]
 
 
 def _load(name: str, args):
-    return load_source(name, check_supported=False, trust_remote_code=args.trust_remote_code)
+    """A model argument loaded: a checkpoint, or a window baseline ``window:W+P:SOURCE`` built on one."""
+    baseline = parse_window_model(name)
+    loaded = load_source(_source_name(name), check_supported=False, trust_remote_code=args.trust_remote_code)
+    if baseline is None:
+        return loaded
+    model = window_model(loaded.model, baseline.window, baseline.first)
+    model.config._name_or_path = name
+    return dataclasses.replace(loaded, model=model, name=name)
 
 
 def _convert(args) -> int:
@@ -318,8 +333,9 @@ def _eval_lm(args) -> int:
     inputs = _models([args.model])
     if args.json:
         check_output_file(args.json, inputs=inputs)
-    kind, path = resolve_source(args.model)
-    if args.batch_size > 1 and _has_csa2_layers(peek_config(kind, path, trust_remote_code=args.trust_remote_code)):
+    kind, path = resolve_source(_source_name(args.model))
+    if args.batch_size > 1 and (parse_window_model(args.model) is not None or _has_csa2_layers(
+            peek_config(kind, path, trust_remote_code=args.trust_remote_code))):
         raise InputError(f"--batch-size {args.batch_size}: {args.model!r} has CSA2 layers, which do not support padded "
                          "batches yet; allowed: --batch-size 1")
     tasks = [t for t in args.tasks.split(",") if t.strip()]
