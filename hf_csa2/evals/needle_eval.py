@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..metrics.intervals import wilson_interval
 from .needle import CATEGORIES, NeedleSample, score_output
 
 
@@ -114,10 +115,26 @@ def accuracy_table(records: list[dict]) -> dict[tuple[str, int], float]:
     return {k: sum(v) / len(v) for k, v in cells.items()}
 
 
+def _answered(records: list[dict]) -> dict[tuple[str, int], tuple[int, int]]:
+    """(category, target_length) -> (answered, asked)."""
+    cells: dict[tuple[str, int], list[bool]] = defaultdict(list)
+    for r in records:
+        cells[(r["category"], r["target_length"])].append(r["correct"])
+    return {k: (sum(v), len(v)) for k, v in cells.items()}
+
+
+def format_accuracy(answered: int, asked: int) -> str:
+    """``0.62 [0.41, 0.79]``: the accuracy and its 95 % Wilson interval."""
+    low, high = wilson_interval(answered, asked)
+    return f"{answered / asked:.2f} [{low:.2f}, {high:.2f}]"
+
+
 def format_markdown(results: dict[str, list[dict]]) -> str:
-    """One table: rows = capability x length, a column per model, ratios to the first model."""
+    """One table: rows = capability x length, a column per model (accuracy and its 95 % Wilson
+    interval), ratios to the first model."""
     names = list(results)
     tables = {n: accuracy_table(r) for n, r in results.items()}
+    answered = {n: _answered(r) for n, r in results.items()}
     keys = sorted({k for t in tables.values() for k in t}, key=lambda k: (CATEGORIES.index(k[0]), k[1]))
     counts = defaultdict(int)
     for r in results[names[0]]:
@@ -128,7 +145,8 @@ def format_markdown(results: dict[str, list[dict]]) -> str:
         accs = [tables[n].get((cat, length), math.nan) for n in names]
         base = accs[0]
         ratios = [f"{a / base:.2f}" if base else "n/a" for a in accs[1:]]
-        lines.append("| " + " | ".join([cat, str(length), str(counts[(cat, length)])] + [f"{a:.2f}" for a in accs] + ratios) + " |")
+        cells = [format_accuracy(*answered[n][(cat, length)]) if (cat, length) in answered[n] else "n/a" for n in names]
+        lines.append("| " + " | ".join([cat, str(length), str(counts[(cat, length)])] + cells + ratios) + " |")
     return "\n".join(lines)
 
 

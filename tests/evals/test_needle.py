@@ -108,7 +108,7 @@ def test_reports(samples, tmp_path):
                "distractor-picker": score_records(samples, [first_distractor(s) for s in samples])}
     paths = write_reports(results, tmp_path)
     table = (tmp_path / "needle.md").read_text()
-    assert "| distractor | 1500 | 9 | 1.00 | 0.00 | 0.00 |" in table
+    assert "| distractor | 1500 | 9 | 1.00 [0.70, 1.00] | 0.00 [0.00, 0.30] | 0.00 |" in table  # 95 % Wilson
     assert len(paths["heatmaps"]) == 2 * len(CATEGORIES)
     assert all((tmp_path / p).exists() for p in paths["heatmaps"])
     assert format_markdown(results).splitlines()[0].startswith("| capability | length | n | oracle")
