@@ -243,28 +243,33 @@ def _train(args) -> int:
     return 0
 
 
-def _eval_ppl(args) -> int:
+def _compare_on_text(args, run, table, write) -> int:
+    """Every model of ``args.models`` (loaded one at a time) measured on ``args.text`` by
+    ``run(entries)``; the ``table`` printed, the JSON written by ``write(results, path)`` with --json."""
     inputs = _models(args.models) + [("text", resolve_text(args.text))]
     if args.json:
         check_output_file(args.json, inputs=inputs)
-    entries = [(name, (lambda n=name: _load(n, args))) for name in args.models]
-    results = compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows, batch_size=args.batch_size)
-    print(format_ppl_table(results))
+    results = run([(name, (lambda n=name: _load(n, args))) for name in args.models])
+    print(table(results))
     if args.json:
-        write_ppl_json(results, args.json)
+        write(results, args.json)
     return 0
+
+
+def _eval_ppl(args) -> int:
+    return _compare_on_text(
+        args, lambda entries: compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows,
+                                          batch_size=args.batch_size),
+        format_ppl_table, write_ppl_json)
 
 
 def _eval_answers(args) -> int:
-    inputs = _models(args.models) + [("text", resolve_text(args.text))]
-    if args.json:
-        check_output_file(args.json, inputs=inputs)
-    entries = [(name, (lambda n=name: _load(n, args))) for name in args.models]
-    results = compare_answers(entries, args.text, context=args.context, per_depth=args.per_depth, seed=args.seed)
-    print(format_answers_table(results))
-    if args.json:
-        write_answers_json(results, args.json, text=args.text, seed=args.seed)
-    return 0
+    return _compare_on_text(
+        args, lambda entries: compare_answers(entries, args.text, context=args.context, per_depth=args.per_depth,
+                                              seed=args.seed),
+        format_answers_table, lambda results, path: write_answers_json(results, path, text=args.text, seed=args.seed))
+
+
 
 
 def _eval_compare(args) -> int:

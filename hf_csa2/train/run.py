@@ -123,15 +123,16 @@ def load_models(recipe: Recipe, teacher_name: str, log: Callable[[str], None]):
 
 def held_out_sets(recipe: Recipe, tokenizer) -> tuple[dict, dict]:
     """The held-out token windows ``[N, T]`` and answer-check probes of every ``eval.texts``, by metric name."""
-    held_out = {_eval_name(t): token_windows(tokenizer, resolve_text(t), recipe.eval.seq_len, recipe.eval.windows)
-                for t in recipe.eval.texts}
-    probes = {}
-    for t in recipe.eval.texts if recipe.eval.answers else ():
-        filler = token_windows(tokenizer, resolve_text(t), recipe.eval.seq_len, recipe.eval.answers)
-        try:
-            probes[_eval_name(t)] = make_probes(tokenizer, filler, recipe.eval.answers)
-        except ValueError as err:
-            raise RecipeError(f"eval.answers={recipe.eval.answers} with eval.seq_len={recipe.eval.seq_len}: {err}") from None
+    ev = recipe.eval
+    held_out, probes = {}, {}
+    for t in ev.texts:  # tokenised once: the probes' filler is the first eval.answers windows
+        windows = token_windows(tokenizer, resolve_text(t), ev.seq_len, max(ev.windows, ev.answers))
+        held_out[_eval_name(t)] = windows[: ev.windows]
+        if ev.answers:
+            try:
+                probes[_eval_name(t)] = make_probes(tokenizer, windows[: ev.answers], ev.answers)
+            except ValueError as err:
+                raise RecipeError(f"eval.answers={ev.answers} with eval.seq_len={ev.seq_len}: {err}") from None
     return held_out, probes
 
 
