@@ -27,6 +27,8 @@ from pydantic.dataclasses import dataclass
 
 from ..engine.trainer import LOSSES, TRAINABLE
 from ..errors import UserError
+from ..surgery.plan import ConversionPlan, PlanError
+from ..surgery.plan import set_fields as set_plan_fields
 from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in, number_in, read_yaml_file
 from ..typed_config import set_fields as set_typed_fields
 
@@ -145,6 +147,10 @@ class Recipe:
     student: Annotated[Text, doc("a converted folder (hf-csa2 convert --out), or a source when plan is given")]
     plan: Annotated[Optional[Text], doc("a conversion plan: the student is converted from it first (null: "
                                         "student is already converted)")] = None
+    plan_set: Annotated[list[Text], doc(
+        "overrides of the plan's fields, as `hf-csa2 convert --set`: SECTION.FIELD=VALUE or FIELD=VALUE, "
+        "e.g. [distill=null] (the recipe's training replaces the plan's own distillation)")] = \
+        dataclasses.field(default_factory=list)
     teacher: Annotated[Optional[Text], doc("the model distilled from (null: the student's recorded source)")] = None
     data: DataSpec = dataclasses.field(default_factory=DataSpec)
     loss: LossSpec = dataclasses.field(default_factory=LossSpec)
@@ -175,10 +181,24 @@ class Recipe:
             recipe = _ADAPTER.validate_python(data)
         except ValidationError as err:
             raise RecipeError(describe(err, Recipe, "recipe")) from None
+        if recipe.plan_set and recipe.plan is None:
+            raise RecipeError(f"recipe.plan_set={recipe.plan_set} needs recipe.plan (the plan it changes); "
+                              "set plan, or drop plan_set")
         if recipe.loss.indexer_steps >= recipe.steps:
             raise RecipeError(f"recipe.loss.indexer_steps={recipe.loss.indexer_steps} must be less than "
                               f"recipe.steps={recipe.steps} (the indexer steps come first, then the distillation)")
         return recipe
+
+    def conversion_plan(self) -> Optional[ConversionPlan]:
+        """The plan the student is converted with (``plan`` with ``plan_set`` applied), validated;
+        None when the student is already converted."""
+        if self.plan is None:
+            return None
+        data = ConversionPlan.from_yaml(self.plan).to_dict()
+        try:
+            return ConversionPlan.from_dict(set_plan_fields(data, list(self.plan_set)))
+        except PlanError as err:
+            raise RecipeError(f"recipe.plan_set={list(self.plan_set)} on plan {self.plan!r}: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -33,7 +33,6 @@ from ..metrics.answer_check import make_probes
 from ..io.output import OUTPUT_MARKER, check_output_dir, check_results_dir
 from ..io.sources import load_source, resolve_source
 from ..surgery.pipeline import convert
-from ..surgery.plan import ConversionPlan
 from .data import training_blocks
 from .indexer_phase import IndexerLoss, dense_teacher, indexed_layers, shortest_block
 from .recipe import Recipe, RecipeError
@@ -67,8 +66,7 @@ def check_inputs(recipe: Recipe, out: Path, *, resume: bool, overwrite: bool) ->
     the texts resolve, the output folder may be written (or holds a checkpoint to resume).
     Returns ``(teacher, checkpoint to resume from or None)``."""
     _, student_path = resolve_source(recipe.student)
-    if recipe.plan is not None:
-        ConversionPlan.from_yaml(recipe.plan)
+    recipe.conversion_plan()
     teacher = recipe.teacher
     if teacher is None:
         teacher = recipe.student if recipe.plan is not None else _recorded_source(student_path)
@@ -108,7 +106,7 @@ def load_models(recipe: Recipe, teacher_name: str, log: Callable[[str], None]):
     student's tokenizer."""
     teacher = load_source(teacher_name)
     if recipe.plan is not None:
-        result = convert(recipe.student, recipe.plan, log=log)
+        result = convert(recipe.student, recipe.conversion_plan(), log=log, plan_path=recipe.plan)
         student, tokenizer, report = result.model, result.tokenizer, result.report_dict()
     else:
         loaded = load_source(recipe.student)

@@ -61,9 +61,25 @@ def test_recipe_round_trips_through_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
-def test_shipped_recipes_validate(path):
+def test_shipped_recipes_validate(path, monkeypatch):
+    monkeypatch.chdir(path.parents[1])  # plans are named from the repository root
     r = load_recipe(path)
     assert r.student and r.steps >= 1
+    if r.plan is not None:
+        assert r.conversion_plan() is not None
+
+
+def test_plan_set_changes_the_plan_the_student_is_converted_with(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("gqa: {num_key_value_heads: 1, ridge: 0.3}\ndistill: {steps: 5}\n")
+    base = load_recipe(None, ["student=x", f"plan={plan}"]).conversion_plan()
+    changed = load_recipe(None, ["student=x", f"plan={plan}", "plan_set=[gqa.ridge=0.5, distill=null]"]).conversion_plan()
+    assert (base.gqa.ridge, base.distill.steps) == (0.3, 5)
+    assert (changed.gqa.ridge, changed.distill) == (0.5, None) and changed.gqa.num_key_value_heads == 1
+    with pytest.raises(RecipeError, match=r"plan_set=\['gqa.bogus=1'\].*unknown key 'bogus' in gqa; allowed: num_key"):
+        load_recipe(None, ["student=x", f"plan={plan}", "plan_set=[gqa.bogus=1]"]).conversion_plan()
+    with pytest.raises(RecipeError, match="needs recipe.plan"):
+        load_recipe(None, ["student=x", "plan_set=[distill=null]"])
 
 
 def test_chat_exchanges_split_passages_into_a_request_and_its_continuation():
