@@ -40,7 +40,7 @@ from .evals.lm_eval_glue import (
     task_manager,
     write_results,
 )
-from .evals.needle import CATEGORIES, generate_samples, write_jsonl
+from .evals.needle import CATEGORIES, PROMPT_STYLES, generate_samples, prompt_style, write_jsonl
 from .evals.needle_eval import (
     OutputJournal,
     generate_answers,
@@ -52,7 +52,7 @@ from .evals.window_baseline import parse_window_model, window_model
 from .evals.report import ReportSettings, write_report
 from .export.deepseek_v3 import export_checkpoint
 from .io.output import check_output_file, check_results_dir
-from .io.sources import load_source, peek_config, resolve_source
+from .io.sources import instruction_tuned, load_source, peek_config, resolve_source
 from .metrics.kv_cache import (
     QK_NORM_MODEL_TYPES,
     config_kv_elements_at_context,
@@ -286,6 +286,19 @@ def _eval_compare(args) -> int:
     return 0
 
 
+def _prompt_style(tokenizer, requested: str, model: str) -> str:
+    """The needle prompt style for ``model`` (``--prompt-style``; auto: chat for an instruction-tuned
+    model with a chat template, completion for a base model), logged with the reason."""
+    instruct = instruction_tuned(_source_name(model))
+    style = prompt_style(tokenizer, requested, instruct)
+    if requested == "auto":
+        why = ("instruction-tuned, with a chat template" if style == "chat" else
+               "a chat template but no instruction-tuned name (Instruct, -it, chat) in its lineage" if
+               getattr(tokenizer, "chat_template", None) else "no chat template")
+        _log(f"needle prompts: {style} ({model}: {why}; --prompt-style chat|completion overrides)")
+    return style
+
+
 def _eval_needle(args) -> int:
     categories = args.categories.split(",") if args.categories else list(CATEGORIES)
     bad = [c for c in categories if c not in CATEGORIES]
@@ -302,18 +315,21 @@ def _eval_needle(args) -> int:
     text = read_text(resolve_text(args.text), max_chars=4_000_000)
     settings = {"models": list(args.models), "categories": categories, "lengths": lengths, "depths": depths,
                 "per_cell": args.per_cell, "seed": args.seed, "text": args.text,
-                "chat_template": not args.no_chat_template, "max_new_tokens": args.max_new_tokens}
+                "chat_template": not args.no_chat_template, "max_new_tokens": args.max_new_tokens,
+                "prompt_style": args.prompt_style}
     journal = OutputJournal(Path(args.out) / "needle.partial.jsonl", settings)
     results, samples = {}, None
     for name in args.models:
         loaded = _load(name, args)
         if samples is None:  # one sample set, made with the first model's tokenizer, for every model
+            style = _prompt_style(loaded.tokenizer, args.prompt_style, args.models[0])
+            settings = {**settings, "prompt_style_used": style}
             samples = generate_samples(loaded.tokenizer, text, categories=categories, lengths=lengths,
-                                       depths=depths, per_cell=args.per_cell, seed=args.seed)
+                                       depths=depths, per_cell=args.per_cell, seed=args.seed, style=style)
             if args.export_jsonl:
                 write_jsonl(samples, args.export_jsonl)
             _log(f"{len(samples)} samples: {len(categories)} capabilities x {len(lengths)} lengths x "
-                 f"{len(depths)} depths x {args.per_cell}")
+                 f"{len(depths)} depths x {args.per_cell}, {style} prompts")
         done = journal.done.get(name, {})
         if done:
             _log(f"{name}: resuming, {len(done)} of {len(samples)} samples already answered ({journal.path})")
@@ -371,6 +387,7 @@ def _eval_report(args) -> int:
     )
     check_results_dir(args.out, inputs=_models(args.models) + [("text", resolve_text(args.text))])
     loaded = [_load(name, args) for name in args.models]
+    settings.prompt_style = _prompt_style(loaded[0].tokenizer, args.prompt_style, args.models[0])
     models = [(name, src.model, src.tokenizer) for name, src in zip(args.models, loaded)]
     path = write_report(models, args.out, settings, command="hf-csa2 " + " ".join(args.argv), log=_log)
     print(path.read_text())
@@ -529,6 +546,13 @@ def _trust_flag(p: argparse.ArgumentParser) -> None:
                         "checkpoints load through the installed package, tokenizers without any folder code")
 
 
+def _prompt_style_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-style", choices=("auto",) + PROMPT_STYLES, default="auto",
+                   help="needle prompts: chat (instruction, log, question; chat template) or completion (log, then "
+                        "the start of the statement the answer completes; for base models); auto: chat for an "
+                        "instruction-tuned model with a chat template, else completion")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-csa2", description="Attention surgery for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -616,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--text", default="python-docs:heldout", help="haystack text: file, folder or named corpus")
     p.add_argument("--no-chat-template", action="store_true", help="feed the raw prompt even if the tokenizer has a chat template")
+    _prompt_style_flag(p)
     p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--export-jsonl", help="also write the samples as JSONL (lm-eval task data)")
     _trust_flag(p)
@@ -632,6 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-cell", type=_positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-chat-template", action="store_true")
+    _prompt_style_flag(p)
     p.add_argument("--bench-lengths", default="1024,2048")
     p.add_argument("--repeats", type=_positive_int, default=1)
     _trust_flag(p)

@@ -34,9 +34,9 @@ import torch
 
 from hf_csa2.data.corpus import read_text, resolve_text
 from hf_csa2.data.windows import token_windows
-from hf_csa2.evals.needle import CATEGORIES, generate_samples
+from hf_csa2.evals.needle import CATEGORIES, generate_samples, prompt_style
 from hf_csa2.evals.needle_eval import generate_answers, score_records
-from hf_csa2.io.sources import load_source
+from hf_csa2.io.sources import instruction_tuned, load_source
 from hf_csa2.metrics.answer_check import answer_check, make_probes
 from hf_csa2.metrics.perplexity import mean_nll
 from hf_csa2.surgery.pipeline import convert
@@ -95,17 +95,6 @@ def long_context(config) -> int:
     return min(LONG_MAX, int(getattr(config, "max_position_embeddings", LONG_MAX) or LONG_MAX))
 
 
-def use_chat_template(tokenizer, source: str) -> bool:
-    # instruct sources are asked as they are used (chat turns); base models in completion mode
-    return bool(getattr(tokenizer, "chat_template", None)) and "instruct" in resolve_name(source).lower()
-
-
-def resolve_name(source: str) -> str:
-    from hf_csa2.io.sources import ALIASES
-    alias = ALIASES.get(source)
-    return alias.filename if alias is not None else source
-
-
 def measure(results: Results, key: str, model, tokenizer, source: str, steps: list[str], log) -> None:
     if getattr(model.config, "csa2_read_path", None):
         model.config.csa2_read_path = "scores"  # exact like "gather", much faster at these lengths
@@ -125,15 +114,15 @@ def measure(results: Results, key: str, model, tokenizer, source: str, steps: li
                     log(f"{key}: {m} = {results.get(key, m)['value']}")
     if "needle" in steps:
         text = read_text(resolve_text("python-docs:heldout"), max_chars=4_000_000)
-        chat = use_chat_template(tokenizer, source)
+        style = prompt_style(tokenizer, "auto", instruction_tuned(source))
         for length in NEEDLE_LENGTHS:
             m = f"needle {length}"
             if results.has(key, m):
                 continue
             samples = generate_samples(tokenizer, text, lengths=(length,), depths=NEEDLE_DEPTHS,
-                                       per_cell=NEEDLE_PER_CELL, seed=0)
-            records = score_records(samples, generate_answers(model, tokenizer, samples, chat_template=chat))
-            results.put(key, m, {"chat_template": chat, "records": [
+                                       per_cell=NEEDLE_PER_CELL, seed=0, style=style)
+            records = score_records(samples, generate_answers(model, tokenizer, samples))
+            results.put(key, m, {"prompt_style": style, "records": [
                 {k: r[k] for k in ("category", "depth", "correct", "output")} for r in records]})
             log(f"{key}: {m} = {sum(r['correct'] for r in records)}/{len(records)}")
     if "ppl-long" in steps:

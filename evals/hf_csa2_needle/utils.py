@@ -23,7 +23,7 @@ def load_needle(needle_jsonl: str | None = None, **_metadata):
 
 
 def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    fields = {k: doc[k] for k in NeedleSample.__dataclass_fields__}
+    fields = {k: doc[k] for k in NeedleSample.__dataclass_fields__ if k in doc}  # older exports lack style
     correct = float(score_output(NeedleSample(**fields), results[0]))
     out = {"acc": correct}
     for category in CATEGORIES:

@@ -22,10 +22,15 @@ from ..metrics.intervals import wilson_interval
 from .needle import CATEGORIES, NeedleSample, score_output
 
 
+def _templated(tokenizer, sample: NeedleSample, chat_template: bool) -> bool:
+    return sample.style == "chat" and chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+
 def build_prompt(tokenizer, sample: NeedleSample, chat_template: bool = True) -> str:
-    """The text fed to the model: the chat template around the context when the tokenizer has
-    one and ``chat_template`` is on, else the raw context."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
+    """The text fed to the model: the chat template around a chat-style context when the
+    tokenizer has one and ``chat_template`` is on, else the raw context (always for
+    completion-style samples: the answer is their continuation)."""
+    if _templated(tokenizer, sample, chat_template):
         return tokenizer.apply_chat_template(
             [{"role": "user", "content": sample.context}], tokenize=False, add_generation_prompt=True
         )
@@ -52,7 +57,7 @@ def generate_answers(model, tokenizer, samples: list[NeedleSample], *, chat_temp
             continue
         prompt = build_prompt(tokenizer, sample, chat_template)
         if isinstance(model, torch.nn.Module):
-            enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=not chat_template or not tokenizer.chat_template)
+            enc = tokenizer(prompt, return_tensors="pt", add_special_tokens=not _templated(tokenizer, sample, chat_template))
             gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
             out = tokenizer.decode(gen[0, enc.input_ids.shape[1]:], skip_special_tokens=True)

@@ -29,6 +29,7 @@ class ReportSettings:
     categories: list[str] = field(default_factory=lambda: list(CATEGORIES))
     seed: int = 0
     chat_template: bool = True
+    prompt_style: str = "chat"  # needle prompts: chat or completion (hf_csa2.evals.needle.prompt_style)
     bench_lengths: list[int] = field(default_factory=lambda: [1024, 2048])
     bench_repeats: int = 1
     bench_new_tokens: int = 16
@@ -51,7 +52,7 @@ def write_report(models: list[tuple[str, object, object]], out_dir: str | Path, 
     tokenizer = models[0][2]
     samples = generate_samples(tokenizer, read_text(resolve_text(s.text), max_chars=4_000_000),
                                categories=s.categories, lengths=s.needle_lengths, depths=s.needle_depths,
-                               per_cell=s.per_cell, seed=s.seed)
+                               per_cell=s.per_cell, seed=s.seed, style=s.prompt_style)
     needle_results = {
         name: score_records(samples, generate_answers(model, tok, samples, chat_template=s.chat_template))
         for name, model, tok in models

@@ -370,6 +370,41 @@ def resolve_source(source: str | os.PathLike, *, revision: str | None = None,
     raise _unknown_alias(s)
 
 
+_INSTRUCT_NAME = re.compile(r"instruct|chat|(?:^|[-_./])(?:it|sft|dpo)(?:$|[-_./])", re.IGNORECASE)
+
+
+def source_names(source: str | os.PathLike, depth: int = 8) -> list[str]:
+    """The names ``source`` goes by, back to its original checkpoint: the argument, a built-in
+    alias's GGUF file name, a folder's recorded ``_name_or_path``, and through a converted
+    folder's ``conversion_report.json`` its source's names in turn. Nothing is loaded."""
+    s = os.fspath(source).strip()
+    names = [s]
+    if s in ALIASES:
+        return names + [ALIASES[s].filename]
+    folder = Path(s).expanduser()
+    if depth <= 0 or not folder.is_dir():
+        return names
+    config = folder / "config.json"
+    try:
+        recorded = json.loads(config.read_text()).get("_name_or_path") if config.is_file() else None
+        marker = folder / "conversion_report.json"
+        parent = json.loads(marker.read_text()).get("source") if marker.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return names
+    if isinstance(recorded, str) and recorded:
+        names.append(recorded)
+    if isinstance(parent, str) and parent and parent != s:
+        names += source_names(parent, depth - 1)
+    return names
+
+
+def instruction_tuned(source: str | os.PathLike) -> bool:
+    """True when a name in ``source``'s lineage (:func:`source_names`) marks an instruction-tuned
+    model (Instruct, -it, chat, SFT, DPO). A base model's tokenizer may carry a chat template
+    too (Gemma-3-270M's does), so the template alone cannot tell them apart."""
+    return any(_INSTRUCT_NAME.search(Path(n).name or n) for n in source_names(source))
+
+
 # --------------------------------------------------------------------------- loading
 
 

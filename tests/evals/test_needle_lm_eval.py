@@ -1,5 +1,5 @@
 """The needle task under the stock lm-eval CLI gives the same outputs and accuracy as
-`hf-csa2 eval needle` on the same samples."""
+`hf-csa2 eval needle` on the same samples, in both prompt styles."""
 
 import json
 import shutil
@@ -34,7 +34,9 @@ def test_lm_eval_validate_passes_on_every_task_yaml():
 def test_stock_lm_eval_matches_hf_csa2_eval_needle(tmp_path):
     model = save_tiny_source("llama", tmp_path / "model", max_position_embeddings=4096)  # no truncation in HFLM
     tok = tiny_tokenizer()
-    samples = generate_samples(tok, haystack(), lengths=(1500,), depths=(0.0, 1.0), per_cell=1, seed=5)
+    # both prompt styles in one task file: chat-style at depth 0, completion-style (base models) at depth 1
+    samples = (generate_samples(tok, haystack(), lengths=(1500,), depths=(0.0,), per_cell=1, seed=5)
+               + generate_samples(tok, haystack(), lengths=(1500,), depths=(1.0,), per_cell=1, seed=5, style="completion"))
     write_jsonl(samples, tmp_path / "samples.jsonl")
     ours = score_records(samples, generate_answers(model, tok, samples, max_new_tokens=32))
 
