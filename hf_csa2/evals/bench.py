@@ -13,6 +13,11 @@ Per (model, length, repeat):
     high-water mark is reset through /proc/self/clear_refs before each one), plus
     ``peak_gpu_mb`` on CUDA;
   * ``kv_bytes``: bytes held by the live cache object after prefill + decode.
+
+Per row also the decode step's lower bound (:mod:`hf_csa2.metrics.decode_bound`): the bytes it
+must read (weights once, what attention must read from the cache, at the middle decode step's
+context), the time that takes at the read bandwidth measured in the same process, and the
+measured step's fraction of it (1.0 = as fast as memory allows).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InputError
+from ..metrics.decode_bound import decode_read_bytes, measure_read_bandwidth
 from ..metrics.kv_cache import live_cache_bytes, live_cache_elements
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -106,6 +112,10 @@ def bench(models: list[tuple[str, object]], lengths: list[int], *, new_tokens: i
     if warmup:  # first calls pay one-off costs (allocator, kernel selection)
         for _, model in models:
             measure_once(model, min(lengths), new_tokens=2, batch=batch)
+    device = next(models[0][1].parameters()).device
+    bandwidth = measure_read_bandwidth(device=device)
+    if log:
+        log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (sum over a 64 MiB buffer, median of 5)")
     raw: dict[tuple[int, str], list[dict]] = {}
     for r in range(repeats):
         for length in lengths:
@@ -116,6 +126,7 @@ def bench(models: list[tuple[str, object]], lengths: list[int], *, new_tokens: i
                     log(f"repeat {r} length {length} {name}: prefill {m['prefill_s']:.3f}s "
                         f"decode {m['decode_ms_per_token']:.1f} ms/token")
     rows = []
+    model_of = dict(models)
     for length in lengths:
         first = None
         for name, _ in models:
@@ -126,6 +137,10 @@ def bench(models: list[tuple[str, object]], lengths: list[int], *, new_tokens: i
                 values = [x[key] for x in runs if x[key] is not None]
                 row[key] = statistics.median(values) if values else None
             row["kv_bytes_per_token"] = row["kv_bytes"] / (batch * row["cached_tokens"])
+            row["read_bandwidth_gbps"] = bandwidth / 1e9
+            row["decode_read_bytes"] = decode_read_bytes(model_of[name], length + (new_tokens + 1) // 2, batch)
+            row["decode_bound_ms"] = 1000 * row["decode_read_bytes"] / bandwidth
+            row["decode_bound_fraction"] = row["decode_bound_ms"] / row["decode_ms_per_token"]
             row["runs"] = runs
             first = first or row
             for key in ("prefill_s", "ttft_s", "decode_ms_per_token", "peak_rss_mb", "kv_bytes"):
@@ -136,17 +151,20 @@ def bench(models: list[tuple[str, object]], lengths: list[int], *, new_tokens: i
 
 
 def format_bench_table(rows: list[dict]) -> str:
-    """Markdown: one line per (length, model), medians and ratios to the first model."""
-    lines = ["| length | model | prefill s | TTFT s | decode ms/token | peak RSS MB | KV MB | "
-             "prefill ratio | decode ratio | KV ratio |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """Markdown: one line per (length, model), medians and ratios to the first model; the decode
+    read bound in ms at the measured bandwidth (MB read) and the measured step's share of it."""
+    lines = ["| length | model | prefill s | TTFT s | decode ms/token | read bound ms (MB) | of bound | peak RSS MB | "
+             "KV MB | prefill ratio | decode ratio | KV ratio |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt):
         return "n/a" if x is None else format(x, fmt)
 
     for r in rows:
+        bound = "n/a" if r.get("decode_bound_ms") is None else f"{r['decode_bound_ms']:.1f} ({r['decode_read_bytes'] / 1e6:.0f})"
         lines.append(
             f"| {r['length']} | {r['model']} | {f(r['prefill_s'], '.3f')} | {f(r['ttft_s'], '.3f')} | "
-            f"{f(r['decode_ms_per_token'], '.1f')} | {f(r['peak_rss_mb'], '.0f')} | {r['kv_bytes'] / 2**20:.2f} | "
+            f"{f(r['decode_ms_per_token'], '.1f')} | {bound} | {f(r.get('decode_bound_fraction'), '.0%')} | "
+            f"{f(r['peak_rss_mb'], '.0f')} | {r['kv_bytes'] / 2**20:.2f} | "
             f"{f(r.get('prefill_s_ratio'), '.3f')} | {f(r.get('decode_ms_per_token_ratio'), '.3f')} | "
             f"{f(r.get('kv_bytes_ratio'), '.3f')} |"
         )

@@ -7,6 +7,7 @@ from tiny_models import save_tiny_source, tiny_model
 
 from hf_csa2.cli import main as cli_main
 from hf_csa2.evals.bench import bench, format_bench_table
+from hf_csa2.metrics.decode_bound import decode_read_bytes
 from hf_csa2.metrics.kv_cache import config_kv_elements_per_token
 from hf_csa2.surgery.gqa import apply_gqa
 from hf_csa2.surgery.plan import GqaPlan
@@ -27,6 +28,10 @@ def test_bench_rows_and_kv_bytes_match_config():
         for key in ("prefill_s", "decode_ms_per_token", "kv_bytes"):
             assert other[f"{key}_ratio"] == pytest.approx(other[key] / ref[key], rel=1e-12)
     assert rows[3]["kv_bytes_ratio"] == pytest.approx(0.5)
+    for r, model in zip(rows, [src, mqa, src, mqa]):  # the read bound at the middle decode step, batch 2
+        assert r["decode_read_bytes"] == decode_read_bytes(model, r["length"] + 2, batch=2)
+        assert r["decode_bound_fraction"] == pytest.approx(r["decode_bound_ms"] / r["decode_ms_per_token"])
+    assert rows[1]["decode_read_bytes"] < rows[0]["decode_read_bytes"]  # MQA reads half the cache
     assert "| 24 | mqa |" in format_bench_table(rows)
 
 
