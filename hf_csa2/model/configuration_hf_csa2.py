@@ -24,7 +24,9 @@ and masks), plus fields of ours:
   prefill, absorbed for one-token decode steps), ``"explicit"`` or ``"absorbed"``.
 * ``csa2_read_path`` -- how CSA2 layers read their selected entries: ``"gather"`` (the
   reference, O(T * (K + W)) memory) or ``"scores"`` (full logits then pick; O(T * S) memory,
-  faster on short sequences); see ``sparse_attention.py``.
+  faster on short sequences); see ``sparse_attention.py``; or ``"triton"`` (the fused kernel of
+  ``hf_csa2.kernels.sparse_read``: needs hf_csa2 and Triton installed and a CUDA device, or
+  ``TRITON_INTERPRET=1``; the attention weights some tools ask for still come from "gather").
 
 This file must import only torch/transformers, the standard library and its siblings: it is
 copied next to the weights so that ``trust_remote_code=True`` loads a checkpoint without
@@ -44,7 +46,7 @@ from .layer_specs import CSA2_MODES, AttentionSpec, DenseSpec, parse_attention_l
 SUPPORTED_BASE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
 MLA_ATTENTION_PATHS = ("auto", "explicit", "absorbed")
-CSA2_READ_PATHS = ("gather", "scores")
+CSA2_READ_PATHS = ("gather", "scores", "triton")
 
 
 def attention_head_dim(config) -> int:

@@ -71,7 +71,8 @@ def segment_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
     return (logits * scaling).masked_fill(segment.index[:, :, None, :] < 0, float("-inf"))
 
 
-READ_PATHS = ("gather", "scores")
+TORCH_READ_PATHS = ("gather", "scores")  # plain torch: run anywhere, any float dtype
+READ_PATHS = TORCH_READ_PATHS + ("triton",)
 
 
 def scored_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
@@ -118,8 +119,10 @@ def sparse_sink_attention(
 
         query_block: queries processed together; rows are independent, so blocks only bound
             the memory of the gathered entries (O(block * N * D)).
-        path: ``"gather"`` (the reference: gather the selected entries) or ``"scores"`` (full
-            logits then pick; see the module docstring).
+        path: ``"gather"`` (the reference: gather the selected entries), ``"scores"`` (full
+            logits then pick; see the module docstring) or ``"triton"`` (the fused kernel,
+            :mod:`hf_csa2.kernels.sparse_read`, tested against this function; weights, when
+            asked for, still come from "gather").
 
     Returns:
         (one output [B, T, H, Dv] per segment, weights or None). The layer's read-out is the
@@ -127,6 +130,10 @@ def sparse_sink_attention(
     """
     if path not in READ_PATHS:
         raise ValueError(f"path={path!r}; allowed: {', '.join(READ_PATHS)}")
+    if path == "triton":
+        if not return_weights:
+            return _triton_read()(segments, scaling=scaling, sinks=sinks)
+        path = "gather"  # the kernel never forms the weights
     t = segments[0].query.shape[1]
     if t > query_block:
         parts = [
@@ -137,6 +144,19 @@ def sparse_sink_attention(
         outputs = [torch.cat([p[0][k] for p in parts], dim=1) for k in range(len(segments))]
         return outputs, (torch.cat([p[1] for p in parts], dim=1) if return_weights else None)
     return _sparse_block(segments, scaling, sinks, return_weights, path)
+
+
+def _triton_read():
+    """The fused kernel's entry point; it lives in hf_csa2 (this file is also copied next to
+    converted weights, where hf_csa2 may be absent: then the path is refused with the fix)."""
+    try:
+        from hf_csa2.kernels import require_available
+        from hf_csa2.kernels.sparse_read import sparse_sink_attention as fused
+    except ImportError as err:
+        raise ValueError(f"csa2_read_path='triton' needs the hf-csa2 package with Triton ({err}); pip install "
+                         "'hf-csa2[triton]', or set csa2_read_path to 'gather' or 'scores'") from None
+    require_available("sparse_read", "csa2_read_path='gather'")
+    return fused
 
 
 def _sparse_block(segments, scaling, sinks, return_weights, path="gather"):
@@ -178,5 +198,5 @@ def window_index(query_positions: torch.Tensor, window: int, first_position: int
     return torch.where(pos >= first_position, pos - first_position, torch.full_like(pos, -1))
 
 
-__all__ = ["READ_PATHS", "SparseSegment", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
+__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
            "sparse_sink_attention", "window_index"]

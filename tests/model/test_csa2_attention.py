@@ -113,7 +113,7 @@ def test_read_paths_give_the_same_logits_for_every_mode(arch, exact_window):
 
 
 def test_unknown_read_path_is_refused_by_the_config():
-    with pytest.raises(ValueError, match="csa2_read_path='dense'; allowed: gather, scores"):
+    with pytest.raises(ValueError, match="csa2_read_path='dense'; allowed: gather, scores, triton"):
         Csa2Config(**{**make_config(base_specs()).to_dict(), "csa2_read_path": "dense"})
 
 

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_csa2.model.sparse_attention import READ_PATHS, SparseSegment, sparse_sink_attention, window_index
+from hf_csa2.model.sparse_attention import TORCH_READ_PATHS, SparseSegment, sparse_sink_attention, window_index
 
 
 def random_index(b, t, n, s, seed, empty_rows=True):
@@ -71,7 +71,7 @@ def make_segments(seed=0, dtype=torch.float32):
     return [latent, own]
 
 
-@pytest.mark.parametrize("path", READ_PATHS)
+@pytest.mark.parametrize("path", TORCH_READ_PATHS)
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_matches_dense_fp64_oracle(with_sinks, path):
     segments = make_segments()
@@ -83,7 +83,7 @@ def test_matches_dense_fp64_oracle(with_sinks, path):
     assert outs[0][0, 1].abs().max() == 0 and outs[1][0, 1].abs().max() == 0  # row with no entry reads zeros
 
 
-@pytest.mark.parametrize("path", READ_PATHS)
+@pytest.mark.parametrize("path", TORCH_READ_PATHS)
 def test_gradients_match_dense_oracle(path):
     segments = make_segments(dtype=torch.float64)
     for seg in segments:
@@ -194,7 +194,7 @@ def test_sink_is_a_gate_on_the_sparse_read(seed):
         assert torch.allclose(a, gate * b, atol=1e-12)
 
 
-@pytest.mark.parametrize("path", READ_PATHS)
+@pytest.mark.parametrize("path", TORCH_READ_PATHS)
 def test_query_blocks_do_not_change_the_result(path):
     segments = make_segments(dtype=torch.float64)
     sinks = torch.tensor([0.3, -2.0, 1.5, 0.0], dtype=torch.float64)
@@ -221,5 +221,5 @@ def test_read_paths_agree_with_repeated_indices():
 
 
 def test_unknown_read_path_is_refused():
-    with pytest.raises(ValueError, match="path='dense'; allowed: gather, scores"):
+    with pytest.raises(ValueError, match="path='dense'; allowed: gather, scores, triton"):
         sparse_sink_attention(make_segments(), scaling=0.4, path="dense")
