@@ -355,10 +355,11 @@ def _eval_lm(args) -> int:
     if args.json:
         check_output_file(args.json, inputs=inputs)
     kind, path = resolve_source(_source_name(args.model))
-    if args.batch_size > 1 and (parse_window_model(args.model) is not None or _has_csa2_layers(
+    window = parse_window_model(args.model)
+    if args.batch_size > 1 and ((window is not None and window.first > 0) or _keeps_first_tokens(
             peek_config(kind, path, trust_remote_code=args.trust_remote_code))):
-        raise InputError(f"--batch-size {args.batch_size}: {args.model!r} has CSA2 layers, which do not support padded "
-                         "batches yet; allowed: --batch-size 1")
+        raise InputError(f"--batch-size {args.batch_size}: {args.model!r} keeps its first tokens for good (CSA2 "
+                         "sink_tokens), which left padding would fill with pads; allowed: --batch-size 1")
     tasks = [t for t in args.tasks.split(",") if t.strip()]
     manager = task_manager(args.include_path, metadata)
     check_tasks(tasks, manager)
@@ -373,8 +374,8 @@ def _eval_lm(args) -> int:
     return 0
 
 
-def _has_csa2_layers(config) -> bool:
-    return any(spec.get("kind") == "csa2" for spec in getattr(config, "attention_layers", None) or [])
+def _keeps_first_tokens(config) -> bool:
+    return any(spec.get("sink_tokens") for spec in getattr(config, "attention_layers", None) or [])
 
 
 def _eval_report(args) -> int:

@@ -441,30 +441,24 @@ def test_kv_at_context_equals_a_real_prefill(arch):
 
 # -- 8. padded batches on CSA2 layers ----------------------------------------------------------
 
-def test_csa2_refuses_padded_batches_and_names_the_way_out(tmp_path, source, text_file):
+def test_csa2_reads_padded_batches_as_each_row_alone(tmp_path, source, text_file):
     plan = {"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
             "csa2": {"full_every": 2, "window": 16, "top_k": 8, "indexer_warmup_steps": 0},
             "calibration": calibration(text_file)}
     model = convert(str(source), plan, log=lambda m: None).model
     ids = torch.arange(4, 24).view(2, 10)
     padded = torch.ones_like(ids)
-    padded[1, :3] = 0
-    with pytest.raises(ValueError, match="padded batches.*batch size 1"):
-        model(input_ids=ids, attention_mask=padded)
-    with pytest.raises(ValueError, match="padded batches"):
-        model.generate(input_ids=ids, attention_mask=padded, max_new_tokens=2, do_sample=False)
-    with torch.no_grad():  # an unpadded batch is fine, and equals the rows run one by one
-        both = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
-        one = model(input_ids=ids[1:]).logits
-    assert (both[1:] - one).abs().max() < 1e-5
+    padded[1, :3] = 0  # row 1 left-padded: its text is ids[1, 3:]
+    with torch.no_grad():
+        both = model(input_ids=ids, attention_mask=padded).logits
+        alone = model(input_ids=ids[1:, 3:]).logits
+        assert (both[1, 3:] - alone[0]).abs().max() < 1e-4
+        generated = model.generate(input_ids=ids, attention_mask=padded, max_new_tokens=3, do_sample=False)
+        single = model.generate(input_ids=ids[1:, 3:], max_new_tokens=3, do_sample=False)
+    assert generated[1, 10:].tolist() == single[0, 7:].tolist()
 
 
-def test_eval_lm_refuses_batches_for_csa2_before_loading(capsys, tmp_path, source, text_file):
-    out = tmp_path / "csa2"
-    convert(str(source), {"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
-                          "csa2": {"full_every": 2, "window": 16, "top_k": 8, "indexer_warmup_steps": 0},
-                          "calibration": calibration(text_file)}, out_dir=out, log=lambda m: None)
-    capsys.readouterr()
-    code, err = run(capsys, "eval", "lm", out, "--tasks", "hf_csa2_needle", "--batch-size", "8")
-    assert_one_line_error(code, err, "--batch-size 8", "CSA2", "allowed: --batch-size 1")
+def test_eval_lm_refuses_batches_for_first_token_windows_before_loading(capsys, tmp_path, source, text_file):
+    code, err = run(capsys, "eval", "lm", f"window:16+4:{source}", "--tasks", "hf_csa2_needle", "--batch-size", "8")
+    assert_one_line_error(code, err, "--batch-size 8", "sink_tokens", "allowed: --batch-size 1")
     assert "Loading weights" not in err

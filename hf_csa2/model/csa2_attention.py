@@ -28,7 +28,9 @@ values = rope part, ``indexer_keys`` ``[B, S, d_I]``; with ``exact_window`` a
 :class:`DynamicSinkWindowLayer` that also keeps the first P tokens once they leave the window. A cache built without knowledge of these layers
 (``DynamicCache()`` or ``DynamicCache(config=...)``) gets the right layer objects on first use.
 Layers find the entries of earlier layers through ``peers`` (the model's attention modules),
-filled during the same forward (``scratch``). Inputs must be unpadded (no left padding).
+filled during the same forward (``scratch``). Left-padded batches: the model passes each row's
+first real position (``csa2_row_starts`` [B]) and no read or pick ever lands before it, so every row
+reads what it would alone (right padding needs nothing: no real token reads a later one).
 
 Self-contained (torch + transformers only): copied next to converted weights.
 """
@@ -45,7 +47,7 @@ from .dense_attention import DenseSinkAttention
 from .indexer import Indexer
 from .latent_attention import LatentAttention
 from .layer_specs import Csa2FullSpec, Csa2ReaderSpec, MlaSpec
-from .sparse_attention import SparseSegment, sparse_sink_attention, window_index
+from .sparse_attention import SparseSegment, drop_padding, sparse_sink_attention, window_index
 
 
 def read_path(config) -> str:
@@ -231,7 +233,7 @@ class Csa2FullAttention(LatentAttention):
             return DynamicIndexedWindowLayer, {"sliding_window": self.window}
         return DynamicIndexedLayer, {}
 
-    def window_segment(self, hidden_states, position_embeddings, layer, positions) -> SparseSegment:
+    def window_segment(self, hidden_states, position_embeddings, layer, positions, starts=None) -> SparseSegment:
         """The last ``window`` positions read exactly: the source layer's own queries/keys/values
         (QK-norm, RoPE on every dim), keys/values of earlier steps from the cache ``layer``'s ring
         (None: no cache, every position of this forward)."""
@@ -245,13 +247,16 @@ class Csa2FullAttention(LatentAttention):
         if layer is not None:
             k, v = layer.update_window(k, v)
         total = int(positions[-1]) + 1
-        own = window_index(positions, self.window, first_position=total - k.shape[2]).expand(b, -1, -1)
+        first = total - k.shape[2]
+        own = drop_padding(window_index(positions, self.window, first_position=first).expand(b, -1, -1), starts, first)
         return SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), own)
 
     def attention_output(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
-        built from positions (causal, unpadded)."""
+        """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). The read set is built from
+        positions (causal) and ``csa2_row_starts`` [B] (left padding; None = unpadded), not from
+        ``attention_mask``."""
         b, t, _ = hidden_states.shape
+        starts = kwargs.get("csa2_row_starts")
         latent, rope_part = self.compress(hidden_states, position_embeddings)  # [B, 1, T, r], [B, 1, T, X]
         index_keys = self.indexer.keys(hidden_states, position_embeddings)  # [B, T, d_I]
         layer = None
@@ -262,13 +267,13 @@ class Csa2FullAttention(LatentAttention):
         s = latent.shape[2]
         positions = torch.arange(s - t, s, device=hidden_states.device)  # [T]
         iq, iw = self.indexer.queries(hidden_states, position_embeddings)
-        top = self.indexer.select(iq, iw, index_keys, positions, self.top_k, self.window)  # [B, T, K]
+        top = self.indexer.select(iq, iw, index_keys, positions, self.top_k, self.window, starts=starts)  # [B, T, K]
         segments = []
         if self.exact_window:
-            segments.append(self.window_segment(hidden_states, position_embeddings, layer, positions))
+            segments.append(self.window_segment(hidden_states, position_embeddings, layer, positions, starts))
             index = top
         else:
-            index = torch.cat([top, window_index(positions, self.window).expand(b, -1, -1)], dim=-1)
+            index = torch.cat([top, drop_padding(window_index(positions, self.window).expand(b, -1, -1), starts)], dim=-1)
 
         q_nope, q_rope = self.queries(hidden_states, position_embeddings)
         k_rope, k_scale = self._split_cached(rope_part)
@@ -379,23 +384,24 @@ class Csa2ReaderAttention(DenseSinkAttention):
         self.peers: list[nn.Module] = []  # the model's attention modules, set by the model
         self.scratch: dict = {}
 
-    def _top_k(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _top_k(self, hidden_states: torch.Tensor, positions: torch.Tensor, starts=None) -> torch.Tensor:
         """Top-K addresses [B, T, K] of this layer (reindex: own selection; reuse: its source's,
         minus what falls inside this layer's window)."""
         if self.mode == "reindex":
             full = self.peers[self.layer_spec.entries].scratch
             iq, iw = self.indexer.queries(hidden_states, full["position_embeddings"])
-            top = self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window)
+            top = self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window, starts=starts)
             return top.masked_fill(top < self.sink_tokens, -1)  # held exactly in the own segment
         top = self.peers[self.layer_spec.source].scratch["top_k"]
         inside = top > positions[None, :, None] - self.window
         return top.masked_fill(inside | (top < self.sink_tokens), -1)
 
     def attention_output(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). Masks are ignored: the read set is
-        built from positions (causal, unpadded)."""
+        """hidden_states [B, T, hidden] -> ([B, T, HQ*D], None). The read set is built from
+        positions (causal) and ``csa2_row_starts`` [B] (left padding; None = unpadded), not from
+        ``attention_mask``."""
         b, t, _ = hidden_states.shape
-        segments, v_up = self.read_segments(hidden_states, position_embeddings, cache)
+        segments, v_up = self.read_segments(hidden_states, position_embeddings, cache, kwargs.get("csa2_row_starts"))
         outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks, path=read_path(self.config))
         out = outs[0]
         if v_up is not None:
@@ -410,10 +416,14 @@ class Csa2ReaderAttention(DenseSinkAttention):
                                            path=read_path(self.config))
         return weights[..., segments[0].index.shape[-1]:].sum(-1)
 
-    def read_segments(self, hidden_states, position_embeddings, cache=None):
+    def read_segments(self, hidden_states, position_embeddings, cache=None, starts=None):
         """The segments this layer reads (own window first, then the shared entries) and the
-        value map of the entries (or None)."""
+        value map of the entries (or None); ``starts`` [B]: each row's first real position."""
         b, t, _ = hidden_states.shape
+        if starts is not None and self.sink_tokens:
+            raise ValueError(f"layer {self.layer_idx}: sink_tokens={self.sink_tokens} keeps the first tokens of the "
+                             "store, which left padding fills with pads; run padded batches without sink_tokens, or "
+                             "batch size 1")
         q_plain, k, v = self.project_plain(hidden_states)  # [B, HQ, T, D], [B, H, T, D]
         cos, sin = position_embeddings
         q = q_plain * cos[:, None] + rotate_half(q_plain) * sin[:, None]
@@ -427,6 +437,7 @@ class Csa2ReaderAttention(DenseSinkAttention):
                 sink_k, sink_v = (k[:, :, :0], v[:, :, :0]) if layer.sink_keys is None else (layer.sink_keys, layer.sink_values)
         positions = torch.arange(total - t, total, device=hidden_states.device)
         own = window_index(positions, self.window, first_position=total - k.shape[2]).expand(b, -1, -1)
+        own = drop_padding(own, starts, total - k.shape[2])
         if self.sink_tokens:
             # The first tokens, once they have left the window: rows 0..P-1 of [sinks; window].
             first = torch.arange(sink_k.shape[2], device=own.device)
@@ -436,7 +447,7 @@ class Csa2ReaderAttention(DenseSinkAttention):
         segments = [SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), own)]
         v_up = None
         if self.reader is not None:
-            top = self._top_k(hidden_states, positions)
+            top = self._top_k(hidden_states, positions, starts)
             entries, v_up = self.reader.segment(q_plain, self.kv_of_query, self.peers[self.layer_spec.entries].scratch, top,
                                                 self.scaling)
             segments.append(entries)

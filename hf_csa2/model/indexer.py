@@ -71,11 +71,13 @@ class Indexer(nn.Module):
         return torch.einsum("btns,btn->bts", dots, weights.float())
 
     def select(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-               query_positions: torch.Tensor, top_k: int, window: int, chunk: int = 256) -> torch.Tensor:
+               query_positions: torch.Tensor, top_k: int, window: int, chunk: int = 256,
+               starts: torch.Tensor | None = None) -> torch.Tensor:
         """Top-K positions [B, T, K] (-1 = none) among ``j <= t - window`` for each query.
 
         queries [B, T, n_I, d_I] at absolute positions query_positions [T]; keys [B, S, d_I]
-        at positions 0..S-1. Processed in chunks of queries so memory stays O(chunk * S).
+        at positions 0..S-1; ``starts`` [B]: each row's first real position (left padding is
+        never picked), or None. Processed in chunks of queries so memory stays O(chunk * S).
         """
         b, t = queries.shape[:2]
         s = keys.shape[1]
@@ -85,8 +87,10 @@ class Indexer(nn.Module):
             stop = min(start + chunk, t)
             sc = self.scores(queries[:, start:stop], weights[:, start:stop], keys)  # [B, c, S]
             last = query_positions[start:stop, None] - window  # newest selectable position
-            allowed = torch.arange(s, device=keys.device)[None, :] <= last  # [c, S]
-            sc = sc.masked_fill(~allowed[None], float("-inf"))
+            allowed = (torch.arange(s, device=keys.device)[None, :] <= last)[None]  # [1, c, S]
+            if starts is not None:
+                allowed = allowed & (torch.arange(s, device=keys.device)[None, None, :] >= starts[:, None, None])
+            sc = sc.masked_fill(~allowed, float("-inf"))
             # A stable sort, not topk: ties (ReLU zeros are common) must break the same way
             # whatever S is, or a prefill and a chunked prefill would read different entries.
             val, idx = sc.sort(dim=-1, descending=True, stable=True)

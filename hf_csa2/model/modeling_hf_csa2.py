@@ -54,6 +54,21 @@ def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_id
     return DenseSinkAttention(source, config, layer_idx, spec)
 
 
+def padding_starts(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first real position [B] from a 2-D mask [B, S] (1 = token) padded on the left
+    and/or the right; a hole between tokens is refused (no reader could skip it)."""
+    mask = attention_mask.bool()
+    real = mask.any(dim=1)
+    starts = torch.where(real, mask.int().argmax(dim=1), torch.zeros_like(real, dtype=torch.long))
+    ends = torch.where(real, mask.shape[1] - mask.flip(1).int().argmax(dim=1), starts)
+    span = torch.arange(mask.shape[1], device=mask.device)[None]
+    inside = (span >= starts[:, None]) & (span < ends[:, None])
+    if bool((inside & ~mask).any()):
+        raise ValueError("attention_mask has padding between tokens; CSA2 layers take left- or right-padded rows "
+                         "(transformers pads on the left for generation: tokenizer.padding_side = 'left')")
+    return starts.long()
+
+
 class Csa2PreTrainedModel(PreTrainedModel):
     config_class = Csa2Config
     config: Csa2Config
@@ -147,11 +162,8 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
             cache = kwargs.pop("past_key_values", None)
         if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and self._reads_by_position
                 and not bool(attention_mask.all())):
-            # CSA2 layers build their read sets from positions alone: padding would be read as text.
-            raise ValueError(
-                "this model has CSA2 layers, which do not support padded batches yet (attention_mask has padding); "
-                "run batch size 1 or a batch of equal-length unpadded inputs (e.g. lm-eval --batch_size 1)"
-            )
+            # CSA2 layers build their read sets from positions: they get each row's first real one.
+            kwargs["csa2_row_starts"] = padding_starts(attention_mask)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

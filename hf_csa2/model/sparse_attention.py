@@ -198,5 +198,13 @@ def window_index(query_positions: torch.Tensor, window: int, first_position: int
     return torch.where(pos >= first_position, pos - first_position, torch.full_like(pos, -1))
 
 
-__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
+def drop_padding(index: torch.Tensor, starts: torch.Tensor | None, first_position: int = 0) -> torch.Tensor:
+    """index [B, T, N] of store rows (row 0 = absolute position ``first_position``) with every
+    entry before its batch row's first real position (``starts`` [B], left padding) set to -1."""
+    if starts is None:
+        return index
+    return index.masked_fill(index + first_position < starts[:, None, None], -1)
+
+
+__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "drop_padding", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
            "sparse_sink_attention", "window_index"]
