@@ -24,6 +24,20 @@ from torch import nn
 from .attention_base import rotate_half
 
 
+def top_k_earliest_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] of the ``k`` largest fp32 ``scores`` [..., S], largest first, ties to the
+    earlier position: what a stable descending sort gives (ties, e.g. ReLU zeros, must break the
+    same way whatever S is, or a prefill and a chunked prefill would read different entries), at
+    the cost of ``topk``. Each score becomes an int64 key: its order-preserving integer image in
+    the high 32 bits, ``S - 1 - position`` in the low ones, so all keys differ."""
+    # + 0.0 turns -0.0 into +0.0 (a sort counts them equal; their bit patterns differ)
+    bits = (scores.to(torch.float32) + 0.0).contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF) - 1)  # IEEE order as integers
+    s = scores.shape[-1]
+    position = torch.arange(s - 1, -1, -1, device=scores.device)
+    return ((ordered << 32) | position).topk(k, dim=-1).indices
+
+
 class Indexer(nn.Module):
     """Index queries/weights of one layer, and the index keys when the layer owns entries.
 
@@ -91,10 +105,8 @@ class Indexer(nn.Module):
             if starts is not None:
                 allowed = allowed & (torch.arange(s, device=keys.device)[None, None, :] >= starts[:, None, None])
             sc = sc.masked_fill(~allowed, float("-inf"))
-            # A stable sort, not topk: ties (ReLU zeros are common) must break the same way
-            # whatever S is, or a prefill and a chunked prefill would read different entries.
-            val, idx = sc.sort(dim=-1, descending=True, stable=True)
-            val, idx = val[..., :k], idx[..., :k]  # [B, c, k]
+            idx = top_k_earliest_first(sc, k)  # [B, c, k]
+            val = sc.gather(-1, idx)
             out.append(torch.where(torch.isfinite(val), idx, torch.full_like(idx, -1)))
         idx = torch.cat(out, dim=1)
         if k < top_k:  # fewer entries than K so far: pad
@@ -102,4 +114,4 @@ class Indexer(nn.Module):
         return idx
 
 
-__all__ = ["Indexer"]
+__all__ = ["Indexer", "top_k_earliest_first"]
