@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..export.deepseek_v3 import export_problems
 from ..metrics.answer_check import answer_check
 from ..metrics.perplexity import mean_nll
 from .held_out import BestState
@@ -65,14 +66,24 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return terms[kind]
 
 
+def layout_zeros(model: torch.nn.Module) -> set[str]:
+    """Parameters that must stay zero for ``model`` to keep its export format: a DeepSeek-V3
+    exportable MLA model has up-projection biases only as zeros (stock DeepSeek-V3 has none)."""
+    if getattr(model.config, "model_type", None) != "hf_csa2" or export_problems(model):
+        return set()
+    return {n for n, p in model.named_parameters() if n.endswith("kv_b_proj.bias") and not p.any()}
+
+
 def trainable_parameters(model: torch.nn.Module, which: str = "attention") -> list[torch.nn.Parameter]:
     """``attention``: the parameters inside each decoder layer's ``self_attn``; ``all``: every
-    parameter except the (possibly tied) embeddings and output head."""
+    parameter except the (possibly tied) embeddings and output head. Never the
+    :func:`layout_zeros`: training must not cost a checkpoint its export format."""
     if which not in TRAINABLE:
         raise ValueError(f"trainable={which!r}; allowed: {', '.join(TRAINABLE)}")
+    skip = {id(model.get_parameter(n)) for n in layout_zeros(model)}
     if which == "attention":
-        return [p for layer in model.model.layers for p in layer.self_attn.parameters()]
-    skip = {id(p) for p in model.get_input_embeddings().parameters()}
+        return [p for layer in model.model.layers for p in layer.self_attn.parameters() if id(p) not in skip]
+    skip |= {id(p) for p in model.get_input_embeddings().parameters()}
     skip |= {id(p) for p in model.get_output_embeddings().parameters()}
     return [p for p in model.parameters() if id(p) not in skip]
 
@@ -344,5 +355,5 @@ class KeepBest(TrainerCallback):
             self.kept.restore()
 
 
-__all__ = ["ADAPTER_FILE", "DistillationTrainer", "INDEX_LOSS", "KeepBest", "LOSSES", "TRAINABLE", "distillation_loss",
+__all__ = ["ADAPTER_FILE", "DistillationTrainer", "INDEX_LOSS", "KeepBest", "LOSSES", "TRAINABLE", "distillation_loss", "layout_zeros",
            "save_adapter_extras", "token_kl", "trainable_parameters", "trainer_arguments", "training_only", "two_stage_factor", "unshare_from"]

@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import TrainingArguments, set_seed
 
-from ..engine.trainer import trainable_parameters, trainer_arguments
+from ..engine.trainer import layout_zeros, trainable_parameters, trainer_arguments
 from .recipe import PeftSpec, Recipe
 
 
@@ -33,9 +33,11 @@ def default_lora_targets(student: torch.nn.Module, surgery: list[str]) -> list[s
 
 def prepare_student(student, teacher, recipe: Recipe):
     """The model the Trainer trains: a PeftModel (LoRA + the surgery parameters in full) when
-    ``recipe.peft`` is set, else ``student`` with ``recipe.trainable`` parameters trainable.
-    Returns ``(model, full_names)``: the base-model parameter names trained in full."""
-    surgery = surgery_parameter_names(student, teacher)
+    ``recipe.peft`` is set, else ``student`` with ``recipe.trainable`` parameters trainable;
+    never the parameters :func:`layout_zeros` names. Returns ``(model, full_names)``: the
+    base-model parameter names trained in full."""
+    frozen = layout_zeros(student)
+    surgery = [n for n in surgery_parameter_names(student, teacher) if n not in frozen]
     for p in student.parameters():
         p.requires_grad_(False)
     if recipe.peft is None:

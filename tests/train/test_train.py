@@ -258,3 +258,29 @@ def test_training_blocks_pack_text_and_chat_with_the_template(work, tmp_path):
     chat = training_blocks(DataSpec(text=str(tmp_path / "doc.txt"), seq_len=32, format="auto"), tok)
     decoded = tok.decode(torch.cat([b["input_ids"] for b in chat]).tolist())
     assert decoded.startswith("<user>Continue this text.") and "<assistant>" in decoded
+
+
+def test_an_exportable_mla_student_stays_exportable(work, tmp_path):
+    """A DeepSeek-V3-exportable MLA student (shared rope key, normalised latent, one rope table)
+    trained with LoRA merges into a checkpoint that still exports to stock DeepseekV3, with the
+    merged model's logits."""
+    from hf_csa2.export.deepseek_v3 import export_problems, to_deepseek_v3
+
+    calib = {"text": str(work / "text.txt"), "num_tokens": 256, "seq_len": 64, "eval_windows": 2}
+    mla = {"kv_lora_rank": 8, "qk_rope_head_dim": 6, "rope_key": "shared", "latent_norm": True, "uniform_rope": True}
+    convert(str(work / "src"), {"mla": mla, "calibration": calib}, out_dir=tmp_path / "ds-mla", log=lambda m: None)
+    student = load_source(tmp_path / "ds-mla").model
+    assert export_problems(student) == []
+    run_recipe(load_recipe(None, recipe_sets(work, "mla", f"student={tmp_path / 'ds-mla'}", "steps=2", "eval.every=2",
+                                             "save.every=2")), tmp_path / "out", log=lambda m: None)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged").eval()
+    assert export_problems(merged) == []
+    # the convert pipeline's distillation stage runs on the same engine: it keeps the format too
+    distill = {"steps": 6, "lr": 3e-3, "num_tokens": 2048, "every": 3}
+    convert(str(work / "src"), {"mla": mla, "distill": distill, "calibration": calib}, out_dir=tmp_path / "ds-distill",
+            log=lambda m: None)
+    assert export_problems(load_source(tmp_path / "ds-distill").model) == []
+    x = torch.randint(4, 100, (2, 20))
+    with torch.no_grad():
+        assert (merged(x).logits - student(x).logits).abs().max() > 1e-4  # training changed it
+        assert (to_deepseek_v3(merged)(x).logits - merged(x).logits).abs().max() <= 1e-4
