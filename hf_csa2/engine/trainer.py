@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch.nn import functional as F
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from ..export.deepseek_v3 import export_problems
+from ..formats import export_problems
 from ..metrics.answer_check import answer_check
 from ..metrics.perplexity import mean_nll
 from .held_out import BestState

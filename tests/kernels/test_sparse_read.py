@@ -298,3 +298,10 @@ def test_unavailable_is_a_clear_error(monkeypatch):
     assert not kernels.available()
     with pytest.raises(KernelUnavailableError, match="hf_csa2.model.sparse_attention"):
         sparse_sink_attention(latent_and_window(3, seed=0), scaling=0.25)
+
+
+def test_read_paths_are_the_references():
+    from hf_csa2.kernels.sparse_read import READ_PATHS
+
+    assert READ_PATHS == reference.TORCH_READ_PATHS
+

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ...model.sparse_attention import TORCH_READ_PATHS as READ_PATHS  # the reference's; both run the kernel here
 from .. import require_available
 from .merge import merge_segments
+# the reference's torch paths (hf_csa2.model.sparse_attention.TORCH_READ_PATHS; a test checks they agree):
+# both run the kernel here. Not imported: kernels sit below the model layer, which dispatches to them.
+READ_PATHS = ("gather", "scores")
 _REFERENCE = "hf_csa2.model.sparse_attention.sparse_sink_attention"
 
 
