@@ -21,6 +21,26 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
+def _gather_entries(
+    idx_ptr, k_ptr, v_ptr, b, t, n0, key_group, value_group, dk, dv,
+    stride_ib, stride_it, stride_in, stride_kb, stride_ks, stride_kg, stride_kd,
+    stride_vb, stride_vs, stride_vg, stride_vd, S, N, DK, DV, BLOCK_N: tl.constexpr,
+):
+    """Entries n0 .. n0 + BLOCK_N of query (b, t)'s index list: (valid mask, store rows, keys
+    [BLOCK_N, BLOCK_DK], values [BLOCK_N, BLOCK_DV]) in fp32, zeros where invalid."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    j = tl.load(idx_ptr + b * stride_ib + t * stride_it + n * stride_in, mask=n < N, other=-1)
+    # an index outside [0, S) reads nothing (the reference raises; a kernel must not fault)
+    ok = (j >= 0) & (j < S)
+    row = tl.where(ok, j, 0)
+    k = tl.load(k_ptr + b * stride_kb + row[:, None] * stride_ks + key_group * stride_kg + dk[None, :] * stride_kd,
+                mask=ok[:, None] & (dk < DK)[None, :], other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + b * stride_vb + row[:, None] * stride_vs + value_group * stride_vg + dv[None, :] * stride_vd,
+                mask=ok[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
+    return ok, row, k, v
+
+
+@triton.jit
 def _sparse_read_fwd(
     q_ptr, k_ptr, v_ptr, idx_ptr, o_ptr, lse_ptr,
     stride_qb, stride_qt, stride_qh, stride_qd,
@@ -53,15 +73,10 @@ def _sparse_read_fwd(
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for n0 in range(0, N, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        j = tl.load(idx_ptr + b * stride_ib + t * stride_it + n * stride_in, mask=n < N, other=-1)
-        # an index outside [0, S) reads nothing (the reference raises; a kernel must not fault)
-        ok = (j >= 0) & (j < S)
-        row = tl.where(ok, j, 0)
-        k = tl.load(k_ptr + b * stride_kb + row[:, None] * stride_ks + key_group * stride_kg + dk[None, :] * stride_kd,
-                    mask=ok[:, None] & (dk < DK)[None, :], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + b * stride_vb + row[:, None] * stride_vs + value_group * stride_vg + dv[None, :] * stride_vd,
-                    mask=ok[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
+        ok, row, k, v = _gather_entries(
+            idx_ptr, k_ptr, v_ptr, b, t, n0, key_group, value_group, dk, dv,
+            stride_ib, stride_it, stride_in, stride_kb, stride_ks, stride_kg, stride_kd,
+            stride_vb, stride_vs, stride_vg, stride_vd, S, N, DK, DV, BLOCK_N)
 
         z = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
         z = tl.where(ok[None, :], z, float("-inf"))
@@ -127,14 +142,10 @@ def _sparse_read_bwd(
 
     dq = tl.zeros([BLOCK_H, BLOCK_DK], tl.float32)
     for n0 in range(0, N, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        j = tl.load(idx_ptr + b * stride_ib + t * stride_it + n * stride_in, mask=n < N, other=-1)
-        ok = (j >= 0) & (j < S)
-        row = tl.where(ok, j, 0)
-        k = tl.load(k_ptr + b * stride_kb + row[:, None] * stride_ks + key_group * stride_kg + dk[None, :] * stride_kd,
-                    mask=ok[:, None] & (dk < DK)[None, :], other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + b * stride_vb + row[:, None] * stride_vs + value_group * stride_vg + dv[None, :] * stride_vd,
-                    mask=ok[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
+        ok, row, k, v = _gather_entries(
+            idx_ptr, k_ptr, v_ptr, b, t, n0, key_group, value_group, dk, dv,
+            stride_ib, stride_it, stride_in, stride_kb, stride_ks, stride_kg, stride_kd,
+            stride_vb, stride_vs, stride_vg, stride_vd, S, N, DK, DV, BLOCK_N)
 
         z = tl.dot(q, tl.trans(k), input_precision="ieee") * scaling
         z = tl.where(ok[None, :] & head_ok[:, None], z, float("-inf"))
