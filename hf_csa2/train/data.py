@@ -6,13 +6,15 @@ a second run of the same recipe starts at once.
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 
 import datasets
 
 from ..cache import cache_dir
 from ..data.corpus import list_text_files, resolve_text
-from .recipe import DataSpec, RecipeError
+from .recipe import CHAT_TASKS, DataSpec, RecipeError
 
 TEXT_COLUMNS = ("text", "messages", "input_ids")
 
@@ -50,21 +52,91 @@ def load_records(text: str) -> datasets.Dataset:
     return ds
 
 
-# User turns of the chat format: asking to continue a passage (never the needle suite's templates:
-# the evals must stay a test of something not trained on).
+# User turns of the chat format (never the needle suite's or the answer check's templates: the evals
+# must stay a test of something not trained on). ``continue``: continue a passage.
 CONTINUE_PROMPTS = (
     "Continue this text.",
     "Here is the start of a document. Write how it goes on.",
     "Read the passage below and continue it in the same style.",
     "What comes next in this text? Write the next part.",
 )
+# ``recall``: the passage, then a request to copy out the sentence that begins with a quoted cue.
+RECALL_PROMPTS = (
+    'Write out in full the sentence of the text above that begins with "{cue}".',
+    'Quote, word for word, the sentence from this passage that starts with "{cue}".',
+)
+# ``next``: the passage, then a request to copy out the sentence that follows a quoted one.
+NEXT_PROMPTS = (
+    'In the text above, which sentence comes right after "{cue}"? Quote it exactly.',
+    'Copy out the sentence that directly follows "{cue}" in the passage.',
+)
 
 
-def passages_to_chat(text: str, passage_chars: int, start: int = 0) -> list[list[dict]]:
+_SENTENCE_END = re.compile(r"(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.)(?<!\bvs\.)\s+(?=[A-Z\"'(`])")
+_CUE_WORDS = 5
+
+
+def _sentences(chunk: str) -> list[str]:
+    """Sentences of one paragraph group, verbatim (line breaks kept), split after . ! ? before a capital."""
+    return [s.strip() for s in _SENTENCE_END.split(chunk) if s.strip()]
+
+
+def _copyable(sentence: str, lo: int = 6, hi: int = 60) -> bool:
+    return lo <= len(sentence.split()) <= hi and "\n\n" not in sentence
+
+
+def _continue_exchange(chunk: str, k: int) -> list[dict] | None:
+    cut = chunk.rfind("\n\n", 0, len(chunk) // 2 + len(chunk) // 4)
+    if cut < len(chunk) // 4:  # no paragraph break near the middle: cut at a space, else mid-word
+        cut = chunk.rfind(" ", 0, len(chunk) // 2)
+        if cut <= 0:
+            cut = len(chunk) // 2
+    head, tail = chunk[:cut].strip(), chunk[cut:].strip()
+    if not (head and tail):
+        return None
+    return [{"role": "user", "content": f"{CONTINUE_PROMPTS[k % len(CONTINUE_PROMPTS)]}\n\n{head}"},
+            {"role": "assistant", "content": tail}]
+
+
+def _recall_exchange(chunk: str, k: int, task: str) -> list[dict] | None:
+    """The passage, a request quoting a cue that occurs once in it, and the passage's own sentence
+    as the answer; the sentence is picked by ``k`` among those that qualify (None when none do)."""
+    sentences = _sentences(chunk)
+    pairs = []  # (cue, answer)
+    for j, s in enumerate(sentences):
+        if task == "recall" and _copyable(s):
+            cue = " ".join(s.split()[:_CUE_WORDS])
+            pairs.append((cue, s))
+        elif task == "next" and j + 1 < len(sentences) and _copyable(s, hi=40) and _copyable(sentences[j + 1], lo=4):
+            pairs.append((" ".join(s.split()), sentences[j + 1]))
+    # the cue must point at one place: it occurs once in the passage (whitespace as in the request)
+    flat = " ".join(chunk.split())
+    pairs = [(cue, answer) for cue, answer in pairs if flat.count(cue) == 1]
+    if not pairs:
+        return None
+    cue, answer = pairs[random.Random(k).randrange(len(pairs))]
+    prompts = RECALL_PROMPTS if task == "recall" else NEXT_PROMPTS
+    request = prompts[k % len(prompts)].format(cue=cue)
+    return [{"role": "user", "content": f"{chunk.strip()}\n\n{request}"}, {"role": "assistant", "content": answer}]
+
+
+def passages_to_chat(text: str, passage_chars: int, start: int = 0,
+                     tasks: tuple[str, ...] = ("continue",)) -> list[list[dict]]:
     """Chat exchanges cut from one document: consecutive paragraphs gathered to about
-    ``passage_chars`` characters; the first half (by paragraphs, else by characters at a space)
-    goes in a user turn after a request to continue it, the rest is the assistant's answer.
-    ``start`` picks the first request (they rotate), so the output is deterministic."""
+    ``passage_chars`` characters, each turned into one exchange of the task ``tasks[(start + i) %
+    len(tasks)]`` (:data:`CHAT_TASKS`):
+
+    - ``continue``: the first half (by paragraphs, else by characters at a space) goes in a user
+      turn after a request to continue it, the rest is the assistant's answer;
+    - ``recall``: the whole passage, then a request for the sentence that begins with a quoted
+      cue (its first words); the answer is that sentence, copied from the passage;
+    - ``next``: the whole passage, then a request for the sentence after a quoted one.
+
+    A passage with no sentence that fits a copy task becomes a ``continue`` exchange. Requests
+    rotate and picks follow from ``start`` and the position, so the output is deterministic."""
+    unknown = [t for t in tasks if t not in CHAT_TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks={list(tasks)}: allowed values are {', '.join(CHAT_TASKS)} (at least one)")
     paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
     chunks, current = [], ""
     for p in paragraphs:
@@ -76,22 +148,19 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0) -> list[list
         chunks.append(current)
     exchanges = []
     for i, chunk in enumerate(chunks):
-        cut = chunk.rfind("\n\n", 0, len(chunk) // 2 + len(chunk) // 4)
-        if cut < len(chunk) // 4:  # no paragraph break near the middle: cut at a space, else mid-word
-            cut = chunk.rfind(" ", 0, len(chunk) // 2)
-            if cut <= 0:
-                cut = len(chunk) // 2
-        head, tail = chunk[:cut].strip(), chunk[cut:].strip()
-        if head and tail:
-            request = CONTINUE_PROMPTS[(start + i) % len(CONTINUE_PROMPTS)]
-            exchanges.append([{"role": "user", "content": f"{request}\n\n{head}"},
-                              {"role": "assistant", "content": tail}])
+        k = start + i
+        task = tasks[k % len(tasks)]
+        exchange = _recall_exchange(chunk, k, task) if task != "continue" else None
+        exchange = exchange or _continue_exchange(chunk, k)
+        if exchange:
+            exchanges.append(exchange)
     return exchanges
 
 
-def _to_chat(passage_chars: int):
+def _to_chat(passage_chars: int, tasks: tuple[str, ...]):
     def convert(batch: dict, indices: list[int]) -> dict:
-        return {"messages": [m for i, text in zip(indices, batch["text"]) for m in passages_to_chat(text, passage_chars, i)]}
+        return {"messages": [m for i, text in zip(indices, batch["text"])
+                             for m in passages_to_chat(text, passage_chars, i, tasks)]}
 
     return convert
 
@@ -135,8 +204,14 @@ def training_blocks(spec: DataSpec, tokenizer) -> datasets.Dataset:
     each followed by EOS, concatenated and cut (the last partial block of each 1,000 documents is
     dropped). At most ``spec.num_tokens`` tokens (whole blocks)."""
     ds = load_records(spec.text)
+    copy_tasks = [t for t in spec.tasks if t != "continue"]
+    if copy_tasks and not ("text" in ds.column_names and chat_format(spec, tokenizer)):
+        made = "chat records already" if "text" not in ds.column_names else "packed as plain text (data.format resolved to text)"
+        raise RecipeError(f"data.tasks={list(spec.tasks)}: the tasks {copy_tasks} build chat exchanges from plain text, "
+                          f"but data.text={spec.text!r} is {made}; set data.format: chat (a tokenizer without a "
+                          "chat template renders them as 'user: ... assistant: ...' text) or data.tasks: [continue]")
     if "text" in ds.column_names and chat_format(spec, tokenizer):
-        ds = ds.map(_to_chat(spec.passage_chars), batched=True, with_indices=True, remove_columns=ds.column_names,
+        ds = ds.map(_to_chat(spec.passage_chars, tuple(spec.tasks)), batched=True, with_indices=True, remove_columns=ds.column_names,
                     desc="chat exchanges")
     ds = ds.map(_renderer(tokenizer), batched=True, remove_columns=ds.column_names, desc="tokenising")
     ds = ds.map(_packer(spec.seq_len), batched=True, batch_size=1000, desc=f"packing into {spec.seq_len}-token blocks")
@@ -156,5 +231,5 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CONTINUE_PROMPTS", "chat_format", "load_records", "passages_to_chat", "training_blocks",
+__all__ = ["CHAT_TASKS", "CONTINUE_PROMPTS", "NEXT_PROMPTS", "RECALL_PROMPTS", "chat_format", "load_records", "passages_to_chat", "training_blocks",
            "write_chat_jsonl"]

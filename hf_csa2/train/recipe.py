@@ -33,6 +33,7 @@ from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in
 from ..typed_config import set_fields as set_typed_fields
 
 DATA_FORMATS = ("auto", "text", "chat")
+CHAT_TASKS = ("continue", "recall", "next")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_STEPS = 10_000_000
 MAX_SEQ = 1 << 20
@@ -60,6 +61,12 @@ class DataSpec:
         "({\"messages\": [...]}) always use the template")] = "auto"
     passage_chars: Annotated[int_in(64, 1 << 20), doc("chat format: characters of text per exchange (split "
                                                         "between the user turn and the answer)")] = 1600
+    tasks: Annotated[list[Literal[CHAT_TASKS]], Field(min_length=1), doc(
+        "chat format: the exchanges built from passages, in turn: continue (the first half asked to be "
+        "continued), recall (the whole passage, then: quote the sentence that begins with these words), next "
+        "(the whole passage, then: quote the sentence after this one). recall and next train copying from the "
+        "prompt, which perplexity-only distillation does not bring back")] = dataclasses.field(
+            default_factory=lambda: ["continue"])
 
 
 @dataclass(config=CONFIG)
@@ -229,5 +236,5 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     return Recipe.from_dict(data)
 
 
-__all__ = ["DataSpec", "EvalSpec", "LOSSES", "LossSpec", "OptimSpec", "PeftSpec", "Recipe", "RecipeError",
+__all__ = ["CHAT_TASKS", "DataSpec", "EvalSpec", "LOSSES", "LossSpec", "OptimSpec", "PeftSpec", "Recipe", "RecipeError",
            "DATA_FORMATS", "SCHEDULES", "SaveSpec", "ScheduleSpec", "TRAINABLE", "load_recipe", "read_recipe_file"]

@@ -112,3 +112,78 @@ def test_chat_exchanges_from_text_without_paragraphs_or_spaces():
     assert len(words) == 1 and words[0][1]["content"] and words[0][0]["content"].endswith("word")
     late_space = passages_to_chat("x" * 700 + " tail", 600)  # the only space is past the middle
     assert len(late_space) == 1 and late_space[0][1]["content"] == "x" * 348 + " tail"
+
+
+SENTENCES = [f"Sentence number {w} tells the reader about the {w} topic in some detail." for w in
+             ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")]
+DOC = "\n\n".join(" ".join(SENTENCES[i:i + 2]) for i in range(0, 8, 2))
+
+
+def _task_of(request: str) -> str:
+    from hf_csa2.train.data import NEXT_PROMPTS, RECALL_PROMPTS
+
+    for name, prompts in (("recall", RECALL_PROMPTS), ("next", NEXT_PROMPTS)):
+        if any(request.startswith(p.split("{cue}")[0]) for p in prompts):
+            return name
+    return "continue"
+
+
+def test_recall_exchanges_ask_for_a_sentence_of_the_passage_by_its_first_words():
+    from hf_csa2.train.data import RECALL_PROMPTS, passages_to_chat
+
+    exchanges = passages_to_chat(DOC, 1000, start=0, tasks=("recall",))
+    assert len(exchanges) == 1
+    user, answer = exchanges[0][0]["content"], exchanges[0][1]["content"]
+    passage, _, request = user.rpartition("\n\n")
+    assert passage == DOC and _task_of(request) == "recall" and request.startswith(RECALL_PROMPTS[0].split('"')[0])
+    cue = request.split('"')[1]
+    assert answer in SENTENCES and answer.startswith(cue) and DOC.count(cue) == 1
+    picks = {passages_to_chat(DOC, 1000, start=k, tasks=("recall",))[0][1]["content"] for k in range(12)}
+    assert len(picks) > 2  # the sentence asked for varies with the position, not always the first
+    assert passages_to_chat(DOC, 1000, start=5, tasks=("recall",)) == passages_to_chat(DOC, 1000, 5, ("recall",))
+
+
+def test_next_exchanges_ask_for_the_sentence_after_a_quoted_one():
+    from hf_csa2.train.data import passages_to_chat
+
+    for k in range(6):
+        user, answer = (m["content"] for m in passages_to_chat(DOC, 1000, start=k, tasks=("next",))[0])
+        request = user.rpartition("\n\n")[2]
+        assert _task_of(request) == "next"
+        cue = request.split('"')[1]
+        assert SENTENCES.index(answer) == SENTENCES.index(cue) + 1
+
+
+def test_copy_tasks_rotate_and_fall_back_to_continuing_when_no_sentence_fits():
+    from hf_csa2.train.data import passages_to_chat
+
+    text = "\n\n".join(" ".join(SENTENCES) for _ in range(3))  # every cue occurs three times: none qualifies
+    exchanges = passages_to_chat(text, 400, tasks=("recall", "next"))
+    assert exchanges and all(_task_of(user["content"]) == "continue" for user, _ in exchanges)
+    paragraphs = "\n\n".join(" ".join(s.replace("number", f"{p}/") for s in SENTENCES[:3]) for p in range(6))
+    kinds = [_task_of(user["content"].rpartition("\n\n")[2]) for user, _ in
+             passages_to_chat(paragraphs, 150, start=1, tasks=("continue", "recall"))]
+    assert kinds == ["recall", "continue"] * 3  # in turn, from tasks[start % 2]
+    with pytest.raises(ValueError, match="allowed values are continue, recall, next"):
+        passages_to_chat(DOC, 400, tasks=("copy",))
+
+
+def test_copy_task_templates_are_not_the_evals_templates():
+    from hf_csa2.evals.needle import ANSWER_HINT, INSTRUCTION
+    from hf_csa2.metrics import answer_check
+    from hf_csa2.train.data import NEXT_PROMPTS, RECALL_PROMPTS
+
+    for prompt in RECALL_PROMPTS + NEXT_PROMPTS:
+        assert INSTRUCTION not in prompt and ANSWER_HINT not in prompt and "controller" not in prompt
+        assert not any(thing in prompt for thing in answer_check._THINGS)
+
+
+def test_recipe_data_tasks_are_validated():
+    from hf_csa2.train.recipe import load_recipe
+
+    assert load_recipe(None, ["student=x", "data.tasks=[recall, next]"]).data.tasks == ["recall", "next"]
+    assert load_recipe(None, ["student=x"]).data.tasks == ["continue"]
+    with pytest.raises(RecipeError, match=r"data.tasks\[0\]='copy'.*allowed: a list of continue, recall, next"):
+        load_recipe(None, ["student=x", "data.tasks=[copy]"])
+    with pytest.raises(RecipeError, match="data.tasks=.*at least 1 item"):
+        load_recipe(None, ["student=x", "data.tasks=[]"])

@@ -260,6 +260,20 @@ def test_training_blocks_pack_text_and_chat_with_the_template(work, tmp_path):
     assert decoded.startswith("<user>Continue this text.") and "<assistant>" in decoded
 
 
+def test_copy_tasks_need_chat_exchanges(work, tmp_path):
+    from hf_csa2.train.data import training_blocks
+    from hf_csa2.train.recipe import DataSpec, RecipeError
+
+    tok = tiny_tokenizer()
+    doc = tmp_path / "doc.txt"
+    doc.write_text("\n\n".join(f"Paragraph {i} begins here with some words. Then it ends." for i in range(40)))
+    with pytest.raises(RecipeError, match=r"data.tasks=\['recall'\].*packed as plain text.*set data.format: chat"):
+        training_blocks(DataSpec(text=str(doc), seq_len=32, format="auto", tasks=["recall"]), tok)  # no template
+    chat = training_blocks(DataSpec(text=str(doc), seq_len=32, format="chat", tasks=["recall"], passage_chars=200), tok)
+    decoded = tok.decode(torch.cat([b["input_ids"] for b in chat]).tolist())
+    assert "user: Paragraph" in decoded and 'that begins with "Paragraph' in decoded
+
+
 def test_an_exportable_mla_student_stays_exportable(work, tmp_path):
     """A DeepSeek-V3-exportable MLA student (shared rope key, normalised latent, one rope table)
     trained with LoRA merges into a checkpoint that still exports to stock DeepseekV3, with the
