@@ -22,7 +22,9 @@ and masks), plus fields of ours:
   field is described), which the attention modules take.
 * ``mla_attention_path`` -- how MLA layers compute: ``"auto"`` (explicit up-projection for
   prefill, absorbed for one-token decode steps), ``"explicit"`` or ``"absorbed"``.
-* ``csa2_read_path`` -- how CSA2 layers read their selected entries: ``"gather"`` (the
+* ``csa2_read_path`` -- how CSA2 layers read their selected entries: ``"auto"`` (the default:
+  ``"triton"`` for tensors on a CUDA device when hf_csa2's kernels can run there, else
+  ``"gather"``), ``"gather"`` (the
   reference, O(T * (K + W)) memory) or ``"scores"`` (full logits then pick; O(T * S) memory,
   faster on short sequences); see ``sparse_attention.py``; or ``"triton"`` (the fused kernel of
   ``hf_csa2.kernels.sparse_read``: needs hf_csa2 and Triton installed and a CUDA device, or
@@ -46,7 +48,7 @@ from .layer_specs import CSA2_MODES, AttentionSpec, DenseSpec, parse_attention_l
 SUPPORTED_BASE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
 MLA_ATTENTION_PATHS = ("auto", "explicit", "absorbed")
-CSA2_READ_PATHS = ("gather", "scores", "triton")
+CSA2_READ_PATHS = ("auto", "gather", "scores", "triton")
 
 
 def attention_head_dim(config) -> int:
@@ -119,7 +121,7 @@ class Csa2Config(PreTrainedConfig):
     base_model_type: str = "llama"
     attention_layers: list | None = None
     mla_attention_path: str = "auto"
-    csa2_read_path: str = "gather"
+    csa2_read_path: str = "auto"
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)

@@ -51,8 +51,8 @@ from .sparse_attention import SparseSegment, drop_padding, sparse_sink_attention
 
 
 def read_path(config) -> str:
-    """How this model's CSA2 layers read their entries (``csa2_read_path``; configs built before it: gather)."""
-    return getattr(config, "csa2_read_path", "gather") or "gather"
+    """How this model's CSA2 layers read their entries (``csa2_read_path``; configs built before it: auto)."""
+    return getattr(config, "csa2_read_path", "auto") or "auto"
 
 
 def cache_layer(cache, layer_idx: int, layer_type: type, **kwargs):

@@ -72,7 +72,7 @@ def segment_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
 
 
 TORCH_READ_PATHS = ("gather", "scores")  # plain torch: run anywhere, any float dtype
-READ_PATHS = TORCH_READ_PATHS + ("triton",)
+READ_PATHS = ("auto",) + TORCH_READ_PATHS + ("triton",)
 
 
 def scored_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
@@ -119,7 +119,7 @@ def sparse_sink_attention(
 
         query_block: queries processed together; rows are independent, so blocks only bound
             the memory of the gathered entries (O(block * N * D)).
-        path: ``"gather"`` (the reference: gather the selected entries), ``"scores"`` (full
+        path: ``"auto"`` (:func:`auto_read_path`), ``"gather"`` (the reference: gather the selected entries), ``"scores"`` (full
             logits then pick; see the module docstring) or ``"triton"`` (the fused kernel,
             :mod:`hf_csa2.kernels.sparse_read`, tested against this function; weights, when
             asked for, still come from "gather").
@@ -130,6 +130,8 @@ def sparse_sink_attention(
     """
     if path not in READ_PATHS:
         raise ValueError(f"path={path!r}; allowed: {', '.join(READ_PATHS)}")
+    if path == "auto":
+        path = auto_read_path(segments[0].query.device, _fused_read_runs())
     if path == "triton":
         if not return_weights:
             return _triton_read()(segments, scaling=scaling, sinks=sinks)
@@ -144,6 +146,23 @@ def sparse_sink_attention(
         outputs = [torch.cat([p[0][k] for p in parts], dim=1) for k in range(len(segments))]
         return outputs, (torch.cat([p[1] for p in parts], dim=1) if return_weights else None)
     return _sparse_block(segments, scaling, sinks, return_weights, path)
+
+
+def auto_read_path(device: torch.device, fused_runs: bool) -> str:
+    """The read path ``"auto"`` stands for: the fused kernel for tensors on a CUDA device when it
+    can run (``fused_runs``), else the reference ``"gather"`` (on CPU the Triton interpreter is
+    far slower than torch, so it is never chosen there)."""
+    return "triton" if device.type == "cuda" and fused_runs else "gather"
+
+
+def _fused_read_runs() -> bool:
+    """Whether hf_csa2's fused read is importable and can run (False without hf_csa2: this file
+    is also copied next to converted weights)."""
+    try:
+        from hf_csa2.kernels import available
+    except ImportError:
+        return False
+    return available()
 
 
 def _triton_read():
@@ -206,5 +225,5 @@ def drop_padding(index: torch.Tensor, starts: torch.Tensor | None, first_positio
     return index.masked_fill(index + first_position < starts[:, None, None], -1)
 
 
-__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "drop_padding", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
+__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "auto_read_path", "drop_padding", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
            "sparse_sink_attention", "window_index"]

@@ -555,7 +555,7 @@ def apply_csa2(model, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: torch.Tenso
         return Csa2LayerFit(mode=modes[i], **notes)
 
     fits = calibrate_layerwise(new, windows, fit_layer)
-    new.config.csa2_read_path = "gather"
+    new.config.csa2_read_path = "auto"
     return new.eval(), Csa2FitReport(plan=plan, modes=modes, layers=fits, mla=mla_report)
 
 

@@ -104,7 +104,10 @@ def test_read_paths_give_the_same_logits_for_every_mode(arch, exact_window):
     model, _, _ = csa2_model(arch, *MIXED_PLAN, sink_tokens=2, exact_window=exact_window)
     x = ids(length=17)
     with torch.no_grad():
+        model.config.csa2_read_path = "gather"
         gathered = model(x).logits
+        model.config.csa2_read_path = "auto"
+        assert torch.equal(model(x).logits, gathered)  # on CPU "auto" is the reference read
         model.config.csa2_read_path = "scores"
         scored = model(x).logits
         decoded, _ = incremental_logits(model, x, [5, 1, 6, 5])
@@ -112,8 +115,17 @@ def test_read_paths_give_the_same_logits_for_every_mode(arch, exact_window):
     assert (decoded - gathered).abs().max() <= 1e-4
 
 
+def test_auto_read_path_picks_the_kernel_only_on_a_cuda_device_where_it_runs():
+    from hf_csa2.model.sparse_attention import auto_read_path
+
+    assert auto_read_path(torch.device("cuda", 0), fused_runs=True) == "triton"
+    assert auto_read_path(torch.device("cuda", 0), fused_runs=False) == "gather"
+    assert auto_read_path(torch.device("cpu"), fused_runs=True) == "gather"  # the interpreter is slower than torch
+    assert make_config(base_specs()).csa2_read_path == "auto"
+
+
 def test_unknown_read_path_is_refused_by_the_config():
-    with pytest.raises(ValueError, match="csa2_read_path='dense'; allowed: gather, scores, triton"):
+    with pytest.raises(ValueError, match="csa2_read_path='dense'; allowed: auto, gather, scores, triton"):
         Csa2Config(**{**make_config(base_specs()).to_dict(), "csa2_read_path": "dense"})
 
 
