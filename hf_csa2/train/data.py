@@ -231,5 +231,5 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CHAT_TASKS", "CONTINUE_PROMPTS", "NEXT_PROMPTS", "RECALL_PROMPTS", "chat_format", "load_records", "passages_to_chat", "training_blocks",
-           "write_chat_jsonl"]
+__all__ = ["CHAT_TASKS", "CONTINUE_PROMPTS", "NEXT_PROMPTS", "RECALL_PROMPTS", "chat_format", "load_records",
+           "passages_to_chat", "training_blocks", "write_chat_jsonl"]
