@@ -131,7 +131,8 @@ def sparse_sink_attention(
     if path not in READ_PATHS:
         raise ValueError(f"path={path!r}; allowed: {', '.join(READ_PATHS)}")
     if path == "auto":
-        path = auto_read_path(segments[0].query.device, _fused_read_runs())
+        device = segments[0].query.device
+        path = auto_read_path(device, device.type == "cuda" and _fused_read_runs())
     if path == "triton":
         if not return_weights:
             return _triton_read()(segments, scaling=scaling, sinks=sinks)
