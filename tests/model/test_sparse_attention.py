@@ -221,5 +221,5 @@ def test_read_paths_agree_with_repeated_indices():
 
 
 def test_unknown_read_path_is_refused():
-    with pytest.raises(ValueError, match="path='dense'; allowed: gather, scores, triton"):
+    with pytest.raises(ValueError, match="path='dense'; allowed: auto, gather, scores, triton"):
         sparse_sink_attention(make_segments(), scaling=0.4, path="dense")
