@@ -70,6 +70,16 @@ NEXT_PROMPTS = (
     'In the text above, which sentence comes right after "{cue}"? Quote it exactly.',
     'Copy out the sentence that directly follows "{cue}" in the passage.',
 )
+# The same two tasks for base models, as text to complete (``data.format: text``): a lead-in that
+# quotes the cue, then the sentence.
+RECALL_LEADS = (
+    'The sentence above that begins with "{cue}" reads in full: ',
+    'Word for word, the sentence of this passage starting with "{cue}" is: ',
+)
+NEXT_LEADS = (
+    'In the text above, the sentence right after "{cue}" is: ',
+    'The sentence that directly follows "{cue}" reads: ',
+)
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.)(?<!\bvs\.)\s+(?=[A-Z\"'(`])")
@@ -98,9 +108,10 @@ def _continue_exchange(chunk: str, k: int) -> list[dict] | None:
             {"role": "assistant", "content": tail}]
 
 
-def _recall_exchange(chunk: str, k: int, task: str) -> list[dict] | None:
-    """The passage, a request quoting a cue that occurs once in it, and the passage's own sentence
-    as the answer; the sentence is picked by ``k`` among those that qualify (None when none do)."""
+def _copy_pick(chunk: str, k: int, task: str) -> tuple[str, str] | None:
+    """``(cue, answer)`` of a copy task on one passage: ``recall`` cues a sentence by its first words,
+    ``next`` quotes a whole sentence and answers with the one after it. The cue occurs once in the
+    passage; the pick among those that qualify follows ``k`` (None when none qualify)."""
     sentences = _sentences(chunk)
     pairs = []  # (cue, answer)
     for j, s in enumerate(sentences):
@@ -114,10 +125,39 @@ def _recall_exchange(chunk: str, k: int, task: str) -> list[dict] | None:
     pairs = [(cue, answer) for cue, answer in pairs if flat.count(cue) == 1]
     if not pairs:
         return None
-    cue, answer = pairs[random.Random(k).randrange(len(pairs))]
-    prompts = RECALL_PROMPTS if task == "recall" else NEXT_PROMPTS
-    request = prompts[k % len(prompts)].format(cue=cue)
-    return [{"role": "user", "content": f"{chunk.strip()}\n\n{request}"}, {"role": "assistant", "content": answer}]
+    return pairs[random.Random(k).randrange(len(pairs))]
+
+
+def _passages(text: str, passage_chars: int) -> list[str]:
+    """Consecutive paragraphs gathered to about ``passage_chars`` characters (a short tail is kept
+    when it has a quarter of that)."""
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    chunks, current = [], ""
+    for p in paragraphs:
+        current = f"{current}\n\n{p}" if current else p
+        if len(current) >= passage_chars:
+            chunks.append(current)
+            current = ""
+    if len(current) >= passage_chars // 4:
+        chunks.append(current)
+    return chunks
+
+
+def _check_tasks(tasks: tuple[str, ...]) -> None:
+    unknown = [t for t in tasks if t not in CHAT_TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks={list(tasks)}: allowed values are {', '.join(CHAT_TASKS)} (at least one)")
+
+
+def _task_picks(text: str, passage_chars: int, start: int, tasks: tuple[str, ...]):
+    """``(k, task, passage, pick)`` per passage: the task in turn from ``tasks[start % len]``, and
+    for a copy task its ``(cue, answer)``; a passage no copy task fits becomes ``continue``."""
+    _check_tasks(tasks)
+    for i, chunk in enumerate(_passages(text, passage_chars)):
+        k = start + i
+        task = tasks[k % len(tasks)]
+        pick = _copy_pick(chunk, k, task) if task != "continue" else None
+        yield k, (task if pick else "continue"), chunk, pick
 
 
 def passages_to_chat(text: str, passage_chars: int, start: int = 0,
@@ -134,33 +174,49 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
 
     A passage with no sentence that fits a copy task becomes a ``continue`` exchange. Requests
     rotate and picks follow from ``start`` and the position, so the output is deterministic."""
-    unknown = [t for t in tasks if t not in CHAT_TASKS]
-    if unknown or not tasks:
-        raise ValueError(f"tasks={list(tasks)}: allowed values are {', '.join(CHAT_TASKS)} (at least one)")
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    chunks, current = [], ""
-    for p in paragraphs:
-        current = f"{current}\n\n{p}" if current else p
-        if len(current) >= passage_chars:
-            chunks.append(current)
-            current = ""
-    if len(current) >= passage_chars // 4:
-        chunks.append(current)
     exchanges = []
-    for i, chunk in enumerate(chunks):
-        k = start + i
-        task = tasks[k % len(tasks)]
-        exchange = _recall_exchange(chunk, k, task) if task != "continue" else None
-        exchange = exchange or _continue_exchange(chunk, k)
+    for k, task, chunk, pick in _task_picks(text, passage_chars, start, tasks):
+        if task == "continue":
+            exchange = _continue_exchange(chunk, k)
+        else:
+            prompts = RECALL_PROMPTS if task == "recall" else NEXT_PROMPTS
+            request = prompts[k % len(prompts)].format(cue=pick[0])
+            exchange = [{"role": "user", "content": f"{chunk.strip()}\n\n{request}"},
+                        {"role": "assistant", "content": pick[1]}]
         if exchange:
             exchanges.append(exchange)
     return exchanges
+
+
+def passages_to_completions(text: str, passage_chars: int, start: int = 0,
+                            tasks: tuple[str, ...] = ("continue",)) -> list[str]:
+    """The copy tasks for a base model (no chat template): the same passages and picks as
+    :func:`passages_to_chat`, as plain-text documents. ``continue``: the passage as it is;
+    ``recall`` / ``next``: the passage, a blank line, a lead-in quoting the cue
+    (:data:`RECALL_LEADS` / :data:`NEXT_LEADS`) and the sentence asked for, so the loss on the
+    answer's tokens is a loss on copying from the prompt."""
+    documents = []
+    for k, task, chunk, pick in _task_picks(text, passage_chars, start, tasks):
+        if task == "continue":
+            documents.append(chunk)
+        else:
+            leads = RECALL_LEADS if task == "recall" else NEXT_LEADS
+            documents.append(f"{chunk.strip()}\n\n{leads[k % len(leads)].format(cue=pick[0])}{pick[1]}")
+    return documents
 
 
 def _to_chat(passage_chars: int, tasks: tuple[str, ...]):
     def convert(batch: dict, indices: list[int]) -> dict:
         return {"messages": [m for i, text in zip(indices, batch["text"])
                              for m in passages_to_chat(text, passage_chars, i, tasks)]}
+
+    return convert
+
+
+def _to_completions(passage_chars: int, tasks: tuple[str, ...]):
+    def convert(batch: dict, indices: list[int]) -> dict:
+        return {"text": [d for i, text in zip(indices, batch["text"])
+                         for d in passages_to_completions(text, passage_chars, i, tasks)]}
 
     return convert
 
@@ -205,14 +261,16 @@ def training_blocks(spec: DataSpec, tokenizer) -> datasets.Dataset:
     dropped). At most ``spec.num_tokens`` tokens (whole blocks)."""
     ds = load_records(spec.text)
     copy_tasks = [t for t in spec.tasks if t != "continue"]
-    if copy_tasks and not ("text" in ds.column_names and chat_format(spec, tokenizer)):
-        made = "chat records already" if "text" not in ds.column_names else "packed as plain text (data.format resolved to text)"
-        raise RecipeError(f"data.tasks={list(spec.tasks)}: the tasks {copy_tasks} build chat exchanges from plain text, "
-                          f"but data.text={spec.text!r} is {made}; set data.format: chat (a tokenizer without a "
-                          "chat template renders them as 'user: ... assistant: ...' text) or data.tasks: [continue]")
+    if copy_tasks and "text" not in ds.column_names:
+        raise RecipeError(f"data.tasks={list(spec.tasks)}: the tasks {copy_tasks} are built from plain text, but "
+                          f"data.text={spec.text!r} holds {'chat records' if 'messages' in ds.column_names else 'token ids'}; "
+                          "use a text corpus, file or folder, or data.tasks: [continue]")
     if "text" in ds.column_names and chat_format(spec, tokenizer):
-        ds = ds.map(_to_chat(spec.passage_chars, tuple(spec.tasks)), batched=True, with_indices=True, remove_columns=ds.column_names,
-                    desc="chat exchanges")
+        ds = ds.map(_to_chat(spec.passage_chars, tuple(spec.tasks)), batched=True, with_indices=True,
+                    remove_columns=ds.column_names, desc="chat exchanges")
+    elif copy_tasks:
+        ds = ds.map(_to_completions(spec.passage_chars, tuple(spec.tasks)), batched=True, with_indices=True,
+                    remove_columns=ds.column_names, desc="copy-task documents")
     ds = ds.map(_renderer(tokenizer), batched=True, remove_columns=ds.column_names, desc="tokenising")
     ds = ds.map(_packer(spec.seq_len), batched=True, batch_size=1000, desc=f"packing into {spec.seq_len}-token blocks")
     if len(ds) == 0:
@@ -231,5 +289,5 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CHAT_TASKS", "CONTINUE_PROMPTS", "NEXT_PROMPTS", "RECALL_PROMPTS", "chat_format", "load_records",
-           "passages_to_chat", "training_blocks", "write_chat_jsonl"]
+__all__ = ["CHAT_TASKS", "CONTINUE_PROMPTS", "NEXT_LEADS", "NEXT_PROMPTS", "RECALL_LEADS", "RECALL_PROMPTS",
+           "chat_format", "load_records", "passages_to_chat", "passages_to_completions", "training_blocks", "write_chat_jsonl"]

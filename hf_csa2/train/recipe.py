@@ -59,13 +59,15 @@ class DataSpec:
         "continue a passage, the passage's own continuation as the answer) rendered with the student's chat "
         "template; auto: chat when the student's tokenizer has a chat template, else text. Chat records "
         "({\"messages\": [...]}) always use the template")] = "auto"
-    passage_chars: Annotated[int_in(64, 1 << 20), doc("chat format: characters of text per exchange (split "
-                                                        "between the user turn and the answer)")] = 1600
+    passage_chars: Annotated[int_in(64, 1 << 20), doc(
+        "characters of text per passage: per chat exchange (continue splits it between the user turn and the "
+        "answer), and per document of the text format when data.tasks has a copy task")] = 1600
     tasks: Annotated[list[Literal[CHAT_TASKS]], Field(min_length=1), doc(
-        "chat format: the exchanges built from passages, in turn: continue (the first half asked to be "
-        "continued), recall (the whole passage, then: quote the sentence that begins with these words), next "
-        "(the whole passage, then: quote the sentence after this one). recall and next train copying from the "
-        "prompt, which perplexity-only distillation does not bring back")] = dataclasses.field(
+        "what passages of plain text become, in turn: continue (chat: the first half asked to be continued; "
+        "text: the passage as it is), recall (the whole passage, then: quote the sentence that begins with "
+        "these words), next (the whole passage, then: quote the sentence after this one). In the text format "
+        "recall and next are a lead-in quoting the cue and the sentence, for base models. recall and next train "
+        "copying from the prompt, which perplexity-only distillation does not bring back")] = dataclasses.field(
             default_factory=lambda: ["continue"])
 
 

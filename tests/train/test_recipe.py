@@ -168,12 +168,39 @@ def test_copy_tasks_rotate_and_fall_back_to_continuing_when_no_sentence_fits():
         passages_to_chat(DOC, 400, tasks=("copy",))
 
 
+def test_completion_copy_tasks_are_the_chat_tasks_as_text():
+    """For base models the same passages and picks become documents: passage, a lead-in quoting the
+    cue, and the passage's own sentence right after it."""
+    from hf_csa2.train.data import NEXT_LEADS, RECALL_LEADS, passages_to_chat, passages_to_completions
+
+    paragraphs = "\n\n".join(" ".join(s.replace("number", f"{p}/") for s in SENTENCES) for p in range(4))
+    tasks = ("recall", "next", "continue")
+    chats = passages_to_chat(paragraphs, 300, start=2, tasks=tasks)
+    documents = passages_to_completions(paragraphs, 300, start=2, tasks=tasks)
+    assert len(documents) == len(chats) == 4
+    for k, (chat, document) in enumerate(zip(chats, documents), start=2):
+        user, answer = chat[0]["content"], chat[1]["content"]
+        task = _task_of(user.rpartition("\n\n")[2])
+        assert task == tasks[k % 3]
+        if task == "continue":
+            head = user.split("\n\n", 1)[1]  # after the request
+            assert document.split() == (head + " " + answer).split() and answer not in head  # the passage, whole
+            continue
+        passage, _, completion = document.rpartition("\n\n")
+        assert passage == user.rpartition("\n\n")[0] and completion.endswith(": " + answer)
+        cue = user.rpartition("\n\n")[2].split('"')[1]
+        leads = RECALL_LEADS if task == "recall" else NEXT_LEADS
+        assert completion == leads[k % len(leads)].format(cue=cue) + answer
+    with pytest.raises(ValueError, match="allowed values are continue, recall, next"):
+        passages_to_completions(DOC, 400, tasks=())
+
+
 def test_copy_task_templates_are_not_the_evals_templates():
     from hf_csa2.evals.needle import ANSWER_HINT, INSTRUCTION
     from hf_csa2.metrics import answer_check
-    from hf_csa2.train.data import NEXT_PROMPTS, RECALL_PROMPTS
+    from hf_csa2.train.data import NEXT_LEADS, NEXT_PROMPTS, RECALL_LEADS, RECALL_PROMPTS
 
-    for prompt in RECALL_PROMPTS + NEXT_PROMPTS:
+    for prompt in RECALL_PROMPTS + NEXT_PROMPTS + RECALL_LEADS + NEXT_LEADS:
         assert INSTRUCTION not in prompt and ANSWER_HINT not in prompt and "controller" not in prompt
         assert not any(thing in prompt for thing in answer_check._THINGS)
 

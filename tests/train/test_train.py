@@ -260,18 +260,24 @@ def test_training_blocks_pack_text_and_chat_with_the_template(work, tmp_path):
     assert decoded.startswith("<user>Continue this text.") and "<assistant>" in decoded
 
 
-def test_copy_tasks_need_chat_exchanges(work, tmp_path):
-    from hf_csa2.train.data import training_blocks
+def test_copy_tasks_in_both_formats_and_not_on_chat_records(work, tmp_path):
+    from hf_csa2.train.data import training_blocks, write_chat_jsonl
     from hf_csa2.train.recipe import DataSpec, RecipeError
 
     tok = tiny_tokenizer()
     doc = tmp_path / "doc.txt"
     doc.write_text("\n\n".join(f"Paragraph {i} begins here with some words. Then it ends." for i in range(40)))
-    with pytest.raises(RecipeError, match=r"data.tasks=\['recall'\].*packed as plain text.*set data.format: chat"):
-        training_blocks(DataSpec(text=str(doc), seq_len=32, format="auto", tasks=["recall"]), tok)  # no template
+    # no chat template: auto resolves to text, and the copy task becomes a completion of the passage
+    text = training_blocks(DataSpec(text=str(doc), seq_len=32, format="auto", tasks=["recall"], passage_chars=200), tok)
+    decoded = tok.decode(torch.cat([b["input_ids"] for b in text]).tolist())
+    assert "user:" not in decoded and 'begins with "Paragraph' in decoded
     chat = training_blocks(DataSpec(text=str(doc), seq_len=32, format="chat", tasks=["recall"], passage_chars=200), tok)
     decoded = tok.decode(torch.cat([b["input_ids"] for b in chat]).tolist())
     assert "user: Paragraph" in decoded and 'that begins with "Paragraph' in decoded
+    records = write_chat_jsonl([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 50,
+                               tmp_path / "chat.jsonl")
+    with pytest.raises(RecipeError, match=r"data.tasks=\['continue', 'next'\].*holds chat records.*data.tasks: \[continue\]"):
+        training_blocks(DataSpec(text=str(records), seq_len=8, tasks=["continue", "next"]), tok)
 
 
 def test_an_exportable_mla_student_stays_exportable(work, tmp_path):
