@@ -11,6 +11,7 @@
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
     hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192] [--swa-pass]
+                 [--no-retrieval-scan] [--keep-full LAYERS]
     hf-csa2 export DIR --format deepseek_v3 --out OUT [--overwrite]
 """
 
@@ -53,6 +54,7 @@ from .evals.report import ReportSettings, write_report
 from .export.deepseek_v3 import export_checkpoint
 from .io.output import check_output_file, check_results_dir
 from .io.sources import instruction_tuned, load_source, peek_config, resolve_source
+from .metrics.retrieval_layers import scan_retrieval_layers
 from .metrics.kv_cache import (
     QK_NORM_MODEL_TYPES,
     config_kv_elements_at_context,
@@ -418,6 +420,16 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def _layer_indices(text: str, flag: str) -> list[int]:
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 0:
+        raise InputError(f"{flag} {text!r}; allowed: comma-separated layer indices, e.g. 11,17")
+    return values
+
+
 def _float_list(text: str, flag: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
@@ -493,21 +505,48 @@ def _plan(args) -> int:
              "(set csa2.full_every and csa2.other_mode to search with another mode)")
     if other not in SEARCH_OTHER_MODES:
         raise PlanError(f"csa2.other_mode={other!r}; allowed for the search: {', '.join(SEARCH_OTHER_MODES)}")
+    if not 0 < args.retrieval_drop <= 1:
+        raise InputError(f"--retrieval-drop {args.retrieval_drop}; allowed: a share in (0, 1]")
+    keep_full = _layer_indices(args.keep_full, "--keep-full") if args.keep_full is not None else []
     kind, path = resolve_source(args.source)
     inputs = conversion_inputs(path, base, args.plan)
     out = check_output_file(args.out, inputs=inputs, flag="--out", overwrite=args.overwrite)
     if args.json:
         check_output_file(args.json, inputs=inputs + [("--out file", out)])
-    source_kv = config_kv_elements_at_context(peek_config(kind, path, trust_remote_code=args.trust_remote_code),
-                                              args.context) / args.context
+    source_config = peek_config(kind, path, trust_remote_code=args.trust_remote_code)
+    source_kv = config_kv_elements_at_context(source_config, args.context) / args.context
     budget = parse_kv_budget(args.kv_budget, source_kv)
+    num_layers = source_config.num_hidden_layers
+    if any(i >= num_layers for i in keep_full):
+        raise InputError(f"--keep-full {args.keep_full}; allowed: layer indices 0..{num_layers - 1}")
     base.csa2.layers, base.csa2.full_every = None, 1  # every layer full: valid for any source while checking
     prepared = prepare_source(args.source, base, _log, trust_remote_code=args.trust_remote_code)
+    scan = None
+    probes = prepared.calib.probes
+    if args.retrieval_scan and not probes:
+        _log("retrieval scan skipped: no answer-check probes (calibration.answer_probes is 0, or the calibration "
+             "windows are too short for one)")
+    elif args.retrieval_scan:
+        _log(f"retrieval scan: each layer of the source alone cut to its last {base.csa2.window} tokens, "
+             f"{sum(p.depth == 'far' for p in probes)} far probes of {probes[0].ids.shape[0]} tokens")
+        try:
+            scan = scan_retrieval_layers(prepared.model, probes, base.csa2.window, drop=args.retrieval_drop)
+        except ValueError as err:  # e.g. a window that reaches the far facts of these probes
+            _log(f"retrieval scan skipped: {err}")
+    if scan is not None:
+        print(scan.table())
+        if scan.retrieval_layers:
+            _log(f"retrieval layers {scan.retrieval_layers}: reading only their window loses far answers (source "
+                 f"{scan.source.far}/{scan.source.per_depth}); a reuse or swa layer would, so they stay full")
+        else:
+            _log(f"retrieval scan: no layer alone loses {args.retrieval_drop:.0%} of the far answers "
+                 f"(source {scan.source.far}/{scan.source.per_depth})")
+        keep_full = sorted(set(keep_full) | set(scan.retrieval_layers))
     # the search starts from what the csa2 stage of `convert` would get (after gqa / sinks)
     model = run_stages(prepared.model, base, prepared.calib, before="csa2")
     result = search_plan(model, prepared.calib.fit, prepared.calib.score, base.csa2, base.mla,
                          kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
-                         part_windows=args.part_windows, swa_pass=args.swa_pass, log=_log)
+                         part_windows=args.part_windows, swa_pass=args.swa_pass, keep_full=keep_full, log=_log)
     table = format_curve(result)
     print(table)
     base.csa2.layers, base.csa2.full_every = result.final.modes, None
@@ -520,12 +559,18 @@ def _plan(args) -> int:
                  if result.uniform is not None else "")
               + (f"; swa pass: {result.swa_pass.calib_ppl:.3f}" if result.swa_pass is not None else ""),
               "calib ppl below: plans assembled from parts fitted on the all-full model (a proxy);",
-              "convert the plan for its real figures.", ""] + table.splitlines()
+              "convert the plan for its real figures.", ""]
+    if scan is not None:
+        header += [f"retrieval scan (far answers with one layer of the source cut to its window; a layer losing "
+                   f">= {args.retrieval_drop:.0%} of the source's stays full): kept full {result.kept_full or 'none'}",
+                   ""] + scan.table().splitlines() + [""]
+    header += table.splitlines()
     out.parent.mkdir(parents=True, exist_ok=True)
     body = yaml.safe_dump(base.to_dict(), sort_keys=False, default_flow_style=None, width=120)
     out.write_text("".join(f"# {line}".rstrip() + "\n" for line in header) + body)
     if args.json:
-        Path(args.json).write_text(json.dumps(result.as_dict(), indent=2))
+        Path(args.json).write_text(json.dumps({**result.as_dict(), "retrieval_scan": scan.as_dict() if scan else None},
+                                              indent=2))
     _log(f"wrote {out}")
     return 0
 
@@ -709,6 +754,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swa-pass", action="store_true",
                    help="then try each reading layer of the chosen plan as swa (own window only; same KV) and keep it "
                         "where the calibration loss falls")
+    p.add_argument("--retrieval-scan", action=argparse.BooleanOptionalAction, default=True,
+                   help="first cut each layer of the source alone to the plan's window and re-ask the answer check's "
+                        "far probes; layers whose cut loses --retrieval-drop of the far answers stay full (calibration "
+                        "loss does not see them)")
+    p.add_argument("--retrieval-drop", type=float, default=0.5,
+                   help="share of the source's far answers a layer's cut must lose to keep it full (0 < x <= 1)")
+    p.add_argument("--keep-full", default=None, help="comma-separated layers that stay full, beside the scan's")
     p.add_argument("--json", help="also write the trade-off curve as JSON")
     p.add_argument("--overwrite", action="store_true")
     _trust_flag(p)

@@ -132,7 +132,9 @@ def sparse_sink_attention(
         raise ValueError(f"path={path!r}; allowed: {', '.join(READ_PATHS)}")
     if path == "auto":
         device = segments[0].query.device
-        path = auto_read_path(device, device.type == "cuda" and _fused_read_runs())
+        path = auto_read_path(device, device.type == "cuda" and _fused_read_runs(),
+                              store_rows=max(s.keys.shape[1] for s in segments),
+                              index_width=sum(s.index.shape[-1] for s in segments))
     if path == "triton":
         if not return_weights:
             return _triton_read()(segments, scaling=scaling, sinks=sinks)
@@ -149,11 +151,21 @@ def sparse_sink_attention(
     return _sparse_block(segments, scaling, sinks, return_weights, path)
 
 
-def auto_read_path(device: torch.device, fused_runs: bool) -> str:
+SCORES_STORE_FACTOR = 4  # "auto" reads through "scores" when a store has at most this many rows per index entry
+
+
+def auto_read_path(device: torch.device, fused_runs: bool, store_rows: int | None = None,
+                   index_width: int | None = None) -> str:
     """The read path ``"auto"`` stands for: the fused kernel for tensors on a CUDA device when it
-    can run (``fused_runs``), else the reference ``"gather"`` (on CPU the Triton interpreter is
-    far slower than torch, so it is never chosen there)."""
-    return "triton" if device.type == "cuda" and fused_runs else "gather"
+    can run (``fused_runs``; on CPU the Triton interpreter is far slower than torch, so it is
+    never chosen there); else ``"scores"`` when the store is short (``store_rows`` at most
+    :data:`SCORES_STORE_FACTOR` times the ``index_width`` entries each query reads: one matmul
+    beats gathering, e.g. training and calibration windows), else the reference ``"gather"``."""
+    if device.type == "cuda" and fused_runs:
+        return "triton"
+    if store_rows is not None and index_width and store_rows <= SCORES_STORE_FACTOR * index_width:
+        return "scores"
+    return "gather"
 
 
 def _fused_read_runs() -> bool:

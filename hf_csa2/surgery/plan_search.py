@@ -73,6 +73,7 @@ class PlanSearchResult:
     uniform: PlanPoint | None  # evenly spaced full layers, as many as the chosen plan
     evaluations: int
     swa_pass: PlanPoint | None = None  # the chosen full layers with readers turned swa where that helps
+    kept_full: list[int] = dataclasses.field(default_factory=list)  # never demoted (e.g. retrieval layers)
 
     @property
     def final(self) -> PlanPoint:
@@ -121,10 +122,10 @@ def uniform_full_layers(num_layers: int, count: int) -> list[int]:
 def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]], float],
                     fits: Callable[[tuple[int, ...]], bool], refresh: int = 4,
                     on_step: Callable[[tuple[int, ...], float], None] | None = None,
-                    past_budget: bool = False) -> list[tuple[tuple[int, ...], float]]:
+                    past_budget: bool = False, keep: Iterable[int] = ()) -> list[tuple[tuple[int, ...], float]]:
     """Demote full layers one at a time until ``fits(full_layers)``; with ``past_budget``, try
     one more demotion and go on while each demotion lowers the loss (the path then ends with the
-    first one that did not, unless no full layer is left).
+    first one that did not, unless no demotable layer is left). Layers in ``keep`` stay full.
 
     ``evaluate(full_layers) -> loss`` scores a plan. Each step scores the candidates named in
     the module docstring (stale ones ranked by the loss increase they caused when last scored)
@@ -132,6 +133,7 @@ def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]],
     Returns the path ``[(full_layers, loss), ...]``, all layers first.
     """
     full = tuple(sorted(layers))
+    keep = frozenset(keep)
     current = evaluate(full)
     path = [(full, current)]
     # Loss increase of demoting each layer, measured against the plan of the step that scored
@@ -149,10 +151,11 @@ def greedy_demotion(layers: Iterable[int], evaluate: Callable[[tuple[int, ...]],
             first_fit = len(path) - 1
         return past_budget and (len(path) - 1 == first_fit or path[-1][1] < path[-2][1])
 
-    while full and more():
+    while any(f not in keep for f in full) and more():
         # the neighbours are re-scored anyway: the refresh slots go to the best other stale ones
-        ranked = sorted((f for f in full if f in increase and f not in last_neighbours), key=lambda f: (increase[f], -f))
-        todo = {f for f in full if f not in increase} | last_neighbours | set(ranked[:refresh])
+        demotable = [f for f in full if f not in keep]
+        ranked = sorted((f for f in demotable if f in increase and f not in last_neighbours), key=lambda f: (increase[f], -f))
+        todo = ({f for f in demotable if f not in increase} | last_neighbours | set(ranked[:refresh])) - keep
         losses = {f: evaluate(tuple(x for x in full if x != f)) for f in sorted(todo)}
         increase.update({f: loss - current for f, loss in losses.items()})
         best = min(todo, key=lambda f: (losses[f], -f))
@@ -291,13 +294,19 @@ class PlanBank:
 
 def search_plan(model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, mla_plan: MlaPlan, *, kv_budget: float,
                 context: int, other_mode: str = "reuse", refresh: int = 4, part_windows: int | None = None,
-                swa_pass: bool = False, log: Callable[[str], None] = print) -> PlanSearchResult:
+                swa_pass: bool = False, keep_full: Iterable[int] = (),
+                log: Callable[[str], None] = print) -> PlanSearchResult:
     """Greedy plan search (module docstring) down to ``kv_budget`` elements per token at
     ``context`` tokens, every part fitted with the settings of ``plan`` / ``mla_plan`` (see
-    :class:`PlanBank`). Also scores the uniform plan with as many full layers as the chosen one;
-    with ``swa_pass``, then tries the chosen plan's readers as ``swa`` (:meth:`PlanBank.swa_pass`)."""
+    :class:`PlanBank`). Layers in ``keep_full`` are never demoted (e.g. the retrieval layers of
+    :func:`~hf_csa2.metrics.retrieval_layers.scan_retrieval_layers`, which calibration loss does
+    not see). Also scores the uniform plan with as many full layers as the chosen one; with
+    ``swa_pass``, then tries the chosen plan's readers as ``swa`` (:meth:`PlanBank.swa_pass`)."""
     dense_specs = dense_layer_specs(model)
     n = len(dense_specs)
+    keep_full = sorted(set(keep_full))
+    if any(not 0 <= i < n for i in keep_full):
+        raise InputError(f"layers to keep full {keep_full}; allowed: layer indices 0..{n - 1}")
     base = model.config.to_base_config() if hasattr(model.config, "to_base_config") else model.config
     source_kv = config_kv_elements_at_context(base, context) / context
     swa_specs = csa2_layer_specs(dense_specs, dense_specs, ["swa"] * n, [None] * n, window=plan.window,
@@ -308,6 +317,11 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, m
                          f"window {plan.window}: {floor:.1f} at a {context}-token context)")
     source_ppl = mean_nll(model, score)["ppl"]
     bank = PlanBank(model, fit, score, plan, mla_plan, other_mode, log, part_windows)
+    least = bank.kv_elements_per_token(keep_full, context) if keep_full else floor
+    if least > kv_budget:
+        raise InputError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan that keeps layers "
+                         f"{keep_full} full ({least:.1f} at a {context}-token context); raise the budget or keep "
+                         "fewer layers full")
 
     def evaluate(full: tuple[int, ...]) -> float:
         ppl = bank.calib_ppl(full)
@@ -318,10 +332,10 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, m
         log(f"step {n - len(full)}: full {list(full)} calib ppl {ppl:.3f} KV/token {bank.kv_elements_per_token(full, context):.1f}")
 
     path = greedy_demotion(range(n), evaluate, lambda full: bank.kv_elements_per_token(full, context) <= kv_budget,
-                           refresh=refresh, on_step=on_step, past_budget=True)
+                           refresh=refresh, on_step=on_step, past_budget=True, keep=keep_full)
     points = [PlanPoint(list(f), bank.modes(f), bank.kv_elements_per_token(f, context), loss) for f, loss in path]
     result = PlanSearchResult(source_ppl=source_ppl, source_kv_elements_per_token=source_kv, context=context,
-                              budget=kv_budget, path=points, uniform=None, evaluations=0)
+                              budget=kv_budget, path=points, uniform=None, evaluations=0, kept_full=keep_full)
     layers = uniform_full_layers(n, len(result.chosen.full_layers))
     if layers == result.chosen.full_layers:
         result.uniform = result.chosen

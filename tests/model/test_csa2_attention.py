@@ -107,10 +107,11 @@ def test_read_paths_give_the_same_logits_for_every_mode(arch, exact_window):
         model.config.csa2_read_path = "gather"
         gathered = model(x).logits
         model.config.csa2_read_path = "auto"
-        assert torch.equal(model(x).logits, gathered)  # on CPU "auto" is the reference read
+        auto = model(x).logits
         model.config.csa2_read_path = "scores"
         scored = model(x).logits
         decoded, _ = incremental_logits(model, x, [5, 1, 6, 5])
+    assert torch.equal(auto, scored)  # on CPU, a store this short is read through "scores"
     assert (gathered - scored).abs().max() <= 1e-5 * (1 + gathered.abs().max())  # fp32 rounding scales with the logits
     assert (decoded - gathered).abs().max() <= 1e-4
 
@@ -121,6 +122,11 @@ def test_auto_read_path_picks_the_kernel_only_on_a_cuda_device_where_it_runs():
     assert auto_read_path(torch.device("cuda", 0), fused_runs=True) == "triton"
     assert auto_read_path(torch.device("cuda", 0), fused_runs=False) == "gather"
     assert auto_read_path(torch.device("cpu"), fused_runs=True) == "gather"  # the interpreter is slower than torch
+    # a short store (training and calibration windows) is one matmul; a long one is gathered
+    assert auto_read_path(torch.device("cpu"), False, store_rows=512, index_width=384) == "scores"
+    assert auto_read_path(torch.device("cpu"), False, store_rows=4 * 384, index_width=384) == "scores"
+    assert auto_read_path(torch.device("cpu"), False, store_rows=4 * 384 + 1, index_width=384) == "gather"
+    assert auto_read_path(torch.device("cuda", 0), True, store_rows=512, index_width=384) == "triton"
     assert make_config(base_specs()).csa2_read_path == "auto"
 
 

@@ -139,6 +139,24 @@ def test_past_budget_fixed_cases():
     assert [f for f, _ in path] == [(0, 1, 2), (1, 2), (2,), ()]
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(0.0, 3.0), min_size=2, max_size=7), st.data())
+def test_kept_layers_are_never_demoted(costs, data):
+    n = len(costs)
+    keep = data.draw(st.sets(st.integers(0, n - 1), max_size=n))
+    stop_at = data.draw(st.integers(0, n))
+
+    def loss(full):
+        return sum(c for i, c in enumerate(costs) if i not in full)
+
+    path = greedy_demotion(range(n), loss, lambda full: len(full) <= stop_at, refresh=2, past_budget=True, keep=keep)
+    assert all(keep <= set(full) for full, _ in path)
+    # it stops when it fits, or when only kept layers are left
+    assert len(path[-1][0]) <= max(stop_at, len(keep)) or path[-1][1] >= path[-2][1]
+    unkept = greedy_demotion(range(n), loss, lambda full: len(full) <= stop_at, refresh=2, past_budget=True)
+    assert path[0] == unkept[0]
+
+
 def test_pareto_envelope_is_monotone():
     pts = [PlanPoint([0], [], kv, ppl) for kv, ppl in [(10, 5.0), (20, 4.0), (30, 4.5), (40, 3.0)]]
     env = pareto_envelope(pts)
@@ -214,6 +232,18 @@ def test_search_walks_down_to_the_budget():
     assert res.chosen.modes == plan_modes(5, res.chosen.full_layers)
     with pytest.raises(ValueError, match="below the cheapest plan"):
         search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=1.0, context=64, log=lambda m: None)
+    # a layer kept full (a retrieval layer) stays full on every step, and the plan still fits
+    kept = search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=budget, context=64, keep_full=[4],
+                       log=lambda m: None)
+    assert all(4 in p.full_layers for p in kept.path) and kept.kept_full == [4]
+    assert kept.chosen.kv_elements_per_token <= budget and kept.chosen.modes[4] == "full"
+    assert [p.full_layers for p in kept.path] != [p.full_layers for p in res.path]  # unkept, 4 goes
+    with pytest.raises(ValueError, match=r"cheapest plan that keeps layers \[0, 1, 2\] full"):
+        search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=budget, context=64,
+                    keep_full=[0, 1, 2], log=lambda m: None)
+    with pytest.raises(ValueError, match=r"layers to keep full \[7\]; allowed: layer indices 0..4"):
+        search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=budget, context=64, keep_full=[7],
+                    log=lambda m: None)
 
 
 def test_swa_pass_keeps_only_improving_swa_layers():
@@ -262,3 +292,12 @@ def test_plan_cli_writes_a_plan_that_converts(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err
     assert cli_main(args[:3] + ["lots"] + args[4:-5] + ["--out", str(tmp_path / "x.yaml")]) == 2
     assert "--kv-budget 'lots'" in capsys.readouterr().err
+    for flag, value, message in (("--keep-full", "x", "--keep-full 'x'; allowed: comma-separated layer indices"),
+                                 ("--keep-full", "9", "--keep-full 9; allowed: layer indices 0..3"),
+                                 ("--retrieval-drop", "0", "--retrieval-drop 0.0; allowed: a share in (0, 1]")):
+        assert cli_main(args[:-5] + ["--out", str(tmp_path / "y.yaml"), flag, value]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "y.yaml").exists()
+    kept = tmp_path / "kept.yaml"
+    assert cli_main(args[:-5] + ["--out", str(kept), "--keep-full", "3"]) == 0
+    assert ConversionPlan.from_yaml(kept).csa2.layers[3] == "full"
+    assert "retrieval scan" in capsys.readouterr().err  # run, or said why it was skipped
