@@ -130,7 +130,7 @@ class SufficientSet:
     window: int
     sink_tokens: int
     source: AnswerCheck
-    target: int  # far answers to reach
+    target: int  # far answers to reach (0 when the source answers none: nothing to keep)
     steps: list[tuple[list[int], int, float]]
 
     @property
@@ -147,26 +147,31 @@ class SufficientSet:
 
 
 @torch.no_grad()
-def sufficient_far_layers(model, probes: list[Probe], window: int, *, sink_tokens: int = 0, keep: float = 0.8,
-                          max_layers: int | None = None) -> SufficientSet:
+def sufficient_far_layers(model, probes: list[Probe], window: int, *, layers: Iterable[int] | None = None,
+                          sink_tokens: int = 0, keep: float = 0.8, max_layers: int | None = None) -> SufficientSet:
     """Greedy forward selection of the layers that must read far (see :class:`SufficientSet`):
-    at each step the layer whose far reads lower the far probes' answer NLL most is added, until
-    ``keep`` of the source's far answers come back or ``max_layers`` are chosen. One forward over
-    the far probes per candidate per step."""
+    ``layers`` (default: all) are cut to their window and the others left whole; at each step the
+    cut layer whose far reads bring the most far answers back (ties: the lowest answer NLL) is
+    made whole again, until ``keep`` of the source's far answers are back or ``max_layers`` are
+    chosen. One forward over the far probes per candidate per step."""
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep={keep}; allowed: a share in (0, 1]")
     far = [p for p in probes if p.depth == "far"]
-    n = len(model.model.layers)
+    if not far:
+        raise ValueError("no far probes to scan with; make_probes(..., per_depth >= 1)")
+    candidates = list(range(len(model.model.layers)) if layers is None else layers)
     source = answer_check(model, far)
-    target = max(1, math.ceil(keep * source.far))
+    target = math.ceil(keep * source.far)
     chosen: list[int] = []
 
     def check(reading: list[int]) -> AnswerCheck:
-        with windowed_attention(model, [i for i in range(n) if i not in reading], window, sink_tokens):
+        with windowed_attention(model, [i for i in candidates if i not in reading], window, sink_tokens):
             return answer_check(model, far)
 
     start = check([])
     steps = [([], start.far, start.answer_nll)]
-    while steps[-1][1] < target and len(chosen) < (max_layers or n):
-        trials = {i: check(sorted(chosen + [i])) for i in range(n) if i not in chosen}
+    while steps[-1][1] < target and len(chosen) < min(max_layers or len(candidates), len(candidates)):
+        trials = {i: check(sorted(chosen + [i])) for i in candidates if i not in chosen}
         best = min(trials, key=lambda i: (-trials[i].far, trials[i].answer_nll))
         chosen = sorted(chosen + [best])
         steps.append((chosen, trials[best].far, trials[best].answer_nll))

@@ -70,3 +70,18 @@ def test_the_scan_finds_smollm2s_far_reading_layer(smollm2):
     assert scan.source.far >= 3
     assert scan.far[16] >= scan.source.far - 1 and scan.far[18] <= 1  # by hand: 10/10 and 0/10 of 10
     assert scan.retrieval_layers == [18]
+
+
+def test_the_sufficient_set_gives_back_the_far_reading_layer_first(smollm2):
+    from hf_csa2.data.corpus import resolve_text
+    from hf_csa2.data.windows import token_windows
+    from hf_csa2.metrics.retrieval_layers import sufficient_far_layers
+
+    windows = token_windows(smollm2.tokenizer, resolve_text("python-docs:heldout"), 512, 3)
+    probes = make_probes(smollm2.tokenizer, windows, per_depth=4)
+    found = sufficient_far_layers(smollm2.model, probes, 128, layers=[16, 17, 18], sink_tokens=4, keep=0.75)
+    assert found.steps[0][0] == [] and found.steps[0][1] < found.target  # 16-18 cut: the answers are gone
+    assert found.steps[1][0] == [18] and found.layers == [18]  # 18 alone brings them back
+    assert "| 18 |" in found.table()
+    with pytest.raises(ValueError, match=r"keep=0; allowed: a share in \(0, 1\]"):
+        sufficient_far_layers(smollm2.model, probes, 128, keep=0)
