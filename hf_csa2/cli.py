@@ -8,6 +8,7 @@
     hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]
     hf-csa2 eval report ORIGINAL CONVERTED [...] --out DIR
     hf-csa2 eval compare SOURCE CONVERTED --text TEXT --context N [--max-windows 1] [--bucket 512] [--json OUT]
+    hf-csa2 eval retrieval-layers MODEL [--context 512] [--window 128] [--sufficient] [--json OUT]
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
     hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192] [--swa-pass]
@@ -54,7 +55,8 @@ from .evals.report import ReportSettings, write_report
 from .export.deepseek_v3 import export_checkpoint
 from .io.output import check_output_file, check_results_dir
 from .io.sources import instruction_tuned, load_source, peek_config, resolve_source
-from .metrics.retrieval_layers import scan_retrieval_layers
+from .metrics.answer_check import make_probes
+from .metrics.retrieval_layers import scan_retrieval_layers, sufficient_far_layers
 from .metrics.kv_cache import (
     QK_NORM_MODEL_TYPES,
     config_kv_elements_at_context,
@@ -285,6 +287,35 @@ def _eval_compare(args) -> int:
     print(format_compare_tables(report))
     if args.json:
         write_compare_json(report, args.json, source=args.source, converted=args.converted, text=args.text)
+    return 0
+
+
+def _eval_retrieval_layers(args) -> int:
+    if not 0 < args.drop <= 1:
+        raise InputError(f"--drop {args.drop}; allowed: a share in (0, 1]")
+    if not 0 < args.keep <= 1:
+        raise InputError(f"--keep {args.keep}; allowed: a share in (0, 1]")
+    if args.sink_tokens < 0:
+        raise InputError(f"--sink-tokens {args.sink_tokens}; allowed: an integer >= 0")
+    if args.window >= 0.85 * args.context:
+        raise InputError(f"--window {args.window} reaches the far facts of {args.context}-token probes; allowed: "
+                         f"< {int(0.85 * args.context)}")
+    inputs = _models([args.model]) + [("text", resolve_text(args.text))]
+    if args.json:
+        check_output_file(args.json, inputs=inputs)
+    source = _load(args.model, args)
+    windows = token_windows(source.tokenizer, args.text, window=args.context, max_windows=args.windows)
+    probes = make_probes(source.tokenizer, windows, args.per_depth)
+    scan = scan_retrieval_layers(source.model, probes, args.window, drop=args.drop, sink_tokens=args.sink_tokens)
+    print(scan.table())
+    result = {"model": args.model, "text": args.text, "context": args.context, "scan": scan.as_dict()}
+    if args.sufficient:
+        found = sufficient_far_layers(source.model, probes, args.window, sink_tokens=args.sink_tokens, keep=args.keep)
+        print()
+        print(found.table())
+        result["sufficient"] = {**dataclasses.asdict(found), "layers": found.layers}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
     return 0
 
 
@@ -527,10 +558,12 @@ def _plan(args) -> int:
         _log("retrieval scan skipped: no answer-check probes (calibration.answer_probes is 0, or the calibration "
              "windows are too short for one)")
     elif args.retrieval_scan:
-        _log(f"retrieval scan: each layer of the source alone cut to its last {base.csa2.window} tokens, "
+        _log(f"retrieval scan: each layer of the source alone cut to its last {base.csa2.window} tokens "
+             f"(+ the first {base.csa2.sink_tokens}), "
              f"{sum(p.depth == 'far' for p in probes)} far probes of {probes[0].ids.shape[0]} tokens")
         try:
-            scan = scan_retrieval_layers(prepared.model, probes, base.csa2.window, drop=args.retrieval_drop)
+            scan = scan_retrieval_layers(prepared.model, probes, base.csa2.window, drop=args.retrieval_drop,
+                                         sink_tokens=base.csa2.sink_tokens)
         except ValueError as err:  # e.g. a window that reaches the far facts of these probes
             _log(f"retrieval scan skipped: {err}")
     if scan is not None:
@@ -675,6 +708,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the report JSON here (a file)")
     _trust_flag(p)
     p.set_defaults(func=_eval_compare)
+
+    p = ev.add_parser("retrieval-layers", help="which layers read facts back from far in the prompt: each layer "
+                      "alone cut to a window, far answers re-asked (and with --sufficient, the layers that must read far)")
+    p.add_argument("model")
+    p.add_argument("--text", default="python-docs:heldout", help="filler text the probes are cut from")
+    p.add_argument("--context", type=_window_length, default=512, help="tokens per probe")
+    p.add_argument("--window", type=_positive_int, default=128, help="tokens a cut layer still reads before each query")
+    p.add_argument("--sink-tokens", type=int, default=4, help="first tokens a cut layer still reads (as a CSA2 swa layer)")
+    p.add_argument("--per-depth", type=_positive_int, default=10, help="far probes")
+    p.add_argument("--windows", type=_positive_int, default=3, help="text windows the probes are cut from")
+    p.add_argument("--drop", type=float, default=0.5, help="share of the far answers a cut must lose (retrieval layer)")
+    p.add_argument("--sufficient", action="store_true", help="then cut every layer and give far reads back greedily "
+                   "until --keep of the far answers return")
+    p.add_argument("--keep", type=float, default=0.8, help="share of the source's far answers --sufficient must bring back")
+    p.add_argument("--json", help="write both scans as JSON here (a file)")
+    _trust_flag(p)
+    p.set_defaults(func=_eval_retrieval_layers)
 
     p = ev.add_parser("needle", help="needle/distractor long-context capabilities, scored separately")
     p.add_argument("models", nargs="+", help="models (folders, sources or aliases) sharing one tokenizer")

@@ -75,6 +75,7 @@ class RetrievalScan:
     drop: float
     source: AnswerCheck  # far probes only
     far: dict[int, int]  # layer -> far answers with that layer cut
+    sink_tokens: int = 0  # first tokens a cut layer still reads
 
     @property
     def retrieval_layers(self) -> list[int]:
@@ -86,7 +87,8 @@ class RetrievalScan:
     def table(self) -> str:
         """Markdown: one row per scanned layer."""
         n = self.source.per_depth
-        lines = [f"| layer cut to its last {self.window} tokens | far answers | retrieval layer |", "|---:|---:|---|",
+        lines = [f"| layer cut to its last {self.window} tokens (+{self.sink_tokens} first) | far answers | retrieval layer |",
+                 "|---:|---:|---|",
                  f"| none (source) | {self.source.far}/{n} | |"]
         keep = set(self.retrieval_layers)
         lines += [f"| {i} | {f}/{n} | {'yes' if i in keep else ''} |" for i, f in sorted(self.far.items())]
@@ -98,11 +100,12 @@ class RetrievalScan:
 
 @torch.no_grad()
 def scan_retrieval_layers(model, probes: list[Probe], window: int, layers: Iterable[int] | None = None,
-                          drop: float = 0.5) -> RetrievalScan:
-    """Cut each of ``layers`` (default: all) alone to its last ``window`` tokens and count the
-    far probes of ``probes`` (:func:`~hf_csa2.metrics.answer_check.make_probes`; near ones are
-    skipped) still answered. ``drop`` in (0, 1]: the share of the source's far answers a cut must
-    lose to make its layer a retrieval layer."""
+                          drop: float = 0.5, sink_tokens: int = 0) -> RetrievalScan:
+    """Cut each of ``layers`` (default: all) alone to its last ``window`` tokens (and its first
+    ``sink_tokens``) and count the far probes of ``probes``
+    (:func:`~hf_csa2.metrics.answer_check.make_probes`; near ones are skipped) still answered.
+    ``drop`` in (0, 1]: the share of the source's far answers a cut must lose to make its layer a
+    retrieval layer."""
     if not 0 < drop <= 1:
         raise ValueError(f"drop={drop}; allowed: a share in (0, 1]")
     far = [p for p in probes if p.depth == "far"]
@@ -116,9 +119,9 @@ def scan_retrieval_layers(model, probes: list[Probe], window: int, layers: Itera
     source = answer_check(model, far)
     counts = {}
     for i in layers:
-        with windowed_attention(model, [i], window):
+        with windowed_attention(model, [i], window, sink_tokens):
             counts[i] = answer_check(model, far).far
-    return RetrievalScan(window=window, drop=drop, source=source, far=counts)
+    return RetrievalScan(window=window, drop=drop, source=source, far=counts, sink_tokens=sink_tokens)
 
 
 @dataclass

@@ -85,3 +85,27 @@ def test_the_sufficient_set_gives_back_the_far_reading_layer_first(smollm2):
     assert "| 18 |" in found.table()
     with pytest.raises(ValueError, match=r"keep=0; allowed: a share in \(0, 1\]"):
         sufficient_far_layers(smollm2.model, probes, 128, keep=0)
+
+
+def test_cli_eval_retrieval_layers(tmp_path, capsys):
+    import json
+
+    from hf_csa2.cli import main
+    from tests.tiny_models import save_tiny_source
+
+    save_tiny_source("llama", tmp_path / "src", num_layers=2)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "scan.json"
+    args = ["eval", "retrieval-layers", str(tmp_path / "src"), "--text", str(text), "--context", "256", "--window",
+            "32", "--per-depth", "2", "--windows", "2"]
+    assert main(args + ["--sufficient", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sorted(doc["scan"]["far"]) == ["0", "1"] and doc["scan"]["source"]["per_depth"] == 2
+    assert doc["sufficient"]["steps"][0][0] == [] and doc["scan"]["sink_tokens"] == 4
+    assert "| layer cut to its last 32 tokens (+4 first) |" in capsys.readouterr().out
+    for flag, value, message in (("--window", "240", "--window 240 reaches the far facts of 256-token probes"),
+                                 ("--drop", "1.5", "--drop 1.5; allowed: a share in (0, 1]"),
+                                 ("--sink-tokens", "-1", "--sink-tokens -1; allowed: an integer >= 0")):
+        assert main(args + [flag, value]) == 2
+        assert message in capsys.readouterr().err
