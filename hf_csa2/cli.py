@@ -310,7 +310,8 @@ def _eval_retrieval_layers(args) -> int:
     print(scan.table())
     result = {"model": args.model, "text": args.text, "context": args.context, "scan": scan.as_dict()}
     if args.sufficient:
-        found = sufficient_far_layers(source.model, probes, args.window, sink_tokens=args.sink_tokens, keep=args.keep)
+        found = sufficient_far_layers(source.model, probes, args.window, sink_tokens=args.sink_tokens, keep=args.keep,
+                                      log=_log)
         print()
         print(found.table())
         result["sufficient"] = {**dataclasses.asdict(found), "layers": found.layers}

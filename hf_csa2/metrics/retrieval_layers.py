@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -151,7 +151,8 @@ class SufficientSet:
 
 @torch.no_grad()
 def sufficient_far_layers(model, probes: list[Probe], window: int, *, layers: Iterable[int] | None = None,
-                          sink_tokens: int = 0, keep: float = 0.8, max_layers: int | None = None) -> SufficientSet:
+                          sink_tokens: int = 0, keep: float = 0.8, max_layers: int | None = None,
+                          log: Callable[[str], None] | None = None) -> SufficientSet:
     """Greedy forward selection of the layers that must read far (see :class:`SufficientSet`):
     ``layers`` (default: all) are cut to their window and the others left whole; at each step the
     cut layer whose far reads bring the most far answers back (ties: the lowest answer NLL) is
@@ -178,6 +179,9 @@ def sufficient_far_layers(model, probes: list[Probe], window: int, *, layers: It
         best = min(trials, key=lambda i: (-trials[i].far, trials[i].answer_nll))
         chosen = sorted(chosen + [best])
         steps.append((chosen, trials[best].far, trials[best].answer_nll))
+        if log is not None:
+            log(f"  far reads in {chosen}: far {trials[best].far}/{source.far} of the source's "
+                f"(answer NLL {trials[best].answer_nll:.3f})")
     return SufficientSet(window=window, sink_tokens=sink_tokens, source=source, target=target, steps=steps)
 
 
