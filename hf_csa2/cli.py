@@ -571,7 +571,8 @@ def _plan(args) -> int:
         print(scan.table())
         if scan.retrieval_layers:
             _log(f"retrieval layers {scan.retrieval_layers}: reading only their window loses far answers (source "
-                 f"{scan.source.far}/{scan.source.per_depth}); a reuse or swa layer would, so they stay full")
+                 f"{scan.source.far}/{scan.source.per_depth}): they stay full (as swa they would read only that "
+                 "window; as reuse, another layer's latent entries)")
         else:
             _log(f"retrieval scan: no layer alone loses {args.retrieval_drop:.0%} of the far answers "
                  f"(source {scan.source.far}/{scan.source.per_depth})")

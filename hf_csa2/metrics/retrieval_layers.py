@@ -49,14 +49,14 @@ def windowed_attention(model, layers: Iterable[int], window: int, sink_tokens: i
         raise ValueError(f"window={window}; allowed: >= 1 token")
 
     def cut(module, args, kwargs):
+        # transformers' decoder layers pass the mask by keyword (positionally, the second
+        # argument is position_embeddings in most attention modules)
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if hidden is None or "attention_mask" not in kwargs and len(args) < 2:
-            raise TypeError(f"{type(module).__name__} is not called with hidden_states and attention_mask; "
-                            "the retrieval scan supports transformers-style attention modules")
-        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-        kwargs = {**kwargs, "attention_mask": _windowed(mask, hidden.shape[1], window, sink_tokens, hidden.dtype,
-                                                          hidden.device)}
-        return args[:1], kwargs
+        if hidden is None or "attention_mask" not in kwargs:
+            raise TypeError(f"{type(module).__name__} is not called with hidden_states and attention_mask= ; "
+                            "the retrieval scan supports transformers-style decoder layers")
+        mask = _windowed(kwargs["attention_mask"], hidden.shape[1], window, sink_tokens, hidden.dtype, hidden.device)
+        return args, {**kwargs, "attention_mask": mask}
 
     attns = [model.model.layers[i].self_attn for i in layers]
     handles = [attn.register_forward_pre_hook(cut, with_kwargs=True) for attn in attns]

@@ -55,7 +55,7 @@ class DataSpec:
     seq_len: Annotated[int_in(8, MAX_SEQ), doc("tokens per training block")] = 512
     num_tokens: Annotated[Optional[int_in(8, MAX_TOKENS)], doc("use at most this many tokens of it (null: all)")] = None
     format: Annotated[Literal[DATA_FORMATS], doc(
-        "text: plain text packed as it is; chat: plain text turned into chat exchanges (a user turn asking to "
+        "text: plain text packed as it is (passages with a completion lead-in when data.tasks has copy tasks); chat: plain text turned into chat exchanges (a user turn asking to "
         "continue a passage, the passage's own continuation as the answer) rendered with the student's chat "
         "template; auto: chat when the student's tokenizer has a chat template, else text. Chat records "
         "({\"messages\": [...]}) always use the template")] = "auto"
