@@ -6,6 +6,7 @@ its query may attend to from the cache. Per layer, with ``L`` tokens visible to 
 (the cached ones and itself):
 
 * dense: its ``2 H D`` keys/values of ``L`` tokens (of ``min(L, window)`` when sliding);
+* lowrank: its key and value codes of those tokens;
 * MLA: its latent + rope keys (+ QK-norm key scales) of ``L`` tokens (absorbed decode reads
   the latent, not per-head keys);
 * CSA2 ``full``: the index keys of all ``L`` tokens (the indexer scores every one) and the
@@ -59,7 +60,7 @@ def layer_reads(specs: list[dict], i: int, context: int) -> LayerReads:
     (reuse/reindex layers read other layers' entries and picks).
     """
     spec = specs[i]
-    if spec["kind"] == "dense":
+    if spec["kind"] in ("dense", "lowrank"):
         return LayerReads(_seen(context, spec["window"]), 0, 0)
     if spec["kind"] == "mla":
         return LayerReads(0, _seen(context, spec["window"]), 0)
@@ -82,7 +83,7 @@ def layer_read_elements(specs: list[dict], i: int, head_dim: int, qk_norm: bool,
     spec = specs[i]
     reads = layer_reads(specs, i, context)
     own = 2 * spec.get("num_key_value_heads", 1) * head_dim  # exact keys + values of one token
-    if spec["kind"] == "dense":
+    if spec["kind"] in ("dense", "lowrank"):
         own = layer_kv_elements_per_token(spec, head_dim, qk_norm)
     entries = specs[spec["entries"]] if spec.get("entries") is not None else spec
     entry = layer_kv_elements_per_token({**entries, "index_head_dim": 0}, head_dim, qk_norm) if reads.entries else 0

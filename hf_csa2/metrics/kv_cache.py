@@ -42,7 +42,9 @@ def layer_kv_elements_per_token(spec: dict, head_dim: int, qk_norm: bool = False
     """Cache elements one token adds to one layer: ``2 * H * D`` for dense attention; for MLA
     the latent plus the rope keys (``kv_lora_rank + R * 2n``), plus one key scale per KV head
     for QK-norm sources; a CSA2 full layer adds its index key, CSA2 window layers hold their own
-    ``2 * H * D`` while the token is in their window."""
+    ``2 * H * D`` while the token is in their window; a lowrank layer its key and value codes."""
+    if spec["kind"] == "lowrank":
+        return spec["key_rank"] + spec["value_rank"]
     if spec["kind"] == "mla" or spec.get("mode") == "full":
         rope = sum(2 * len(p) for p in spec["rope_pairs"])
         index_key = spec.get("index_head_dim", 0)  # CSA2 full layers also cache one index key

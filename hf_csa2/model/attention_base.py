@@ -23,10 +23,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' half-split layout. x [B, H, T, D]; cos/sin [B, T, D]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """RoPE in transformers' half-split layout. q/k [B, H, T, D]; cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 class AttentionBase(nn.Module):
@@ -92,4 +96,4 @@ class AttentionBase(nn.Module):
         return self.o_proj(out), weights
 
 
-__all__ = ["AttentionBase", "SINK_CAPABLE_IMPLEMENTATIONS", "SINK_OFF", "apply_rotary", "rotate_half"]
+__all__ = ["AttentionBase", "SINK_CAPABLE_IMPLEMENTATIONS", "SINK_OFF", "apply_rotary", "rotate", "rotate_half"]

@@ -7,6 +7,7 @@
 JSON ``kind`` / ``mode``    spec class              module
 ==========================  ======================  ==============================
 ``dense``                   :class:`DenseSpec`      ``DenseSinkAttention``
+``lowrank``                 :class:`LowRankSpec`    ``LowRankKVAttention``
 ``mla``                     :class:`MlaSpec`        ``LatentAttention``
 ``csa2`` / ``full``         :class:`Csa2FullSpec`   ``Csa2FullAttention``
 ``csa2`` / ``swa``,         :class:`Csa2ReaderSpec` ``Csa2ReaderAttention``
@@ -29,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, NamedTuple
 
-ATTENTION_KINDS = ("dense", "mla", "csa2")
+ATTENTION_KINDS = ("dense", "lowrank", "mla", "csa2")
 CSA2_MODES = ("swa", "full", "reindex", "reuse")
 
 
@@ -189,6 +190,27 @@ class DenseSpec(AttentionSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LowRankSpec(AttentionSpec):
+    """Dense attention over the layer's own keys and values, each cached as a rank-``r`` code
+    of the token (keys before RoPE, rotated when read; ``lowrank_attention.py``)."""
+
+    kind: ClassVar[str] = "lowrank"
+    key_rank: int  # width of a cached key code
+    value_rank: int  # width of a cached value code
+
+    @classmethod
+    def _read(cls, data, where, g):
+        args = super()._read(data, where, g)
+        width = None if g.head_dim is None else args["num_key_value_heads"] * g.head_dim
+        for key in ("key_rank", "value_rank"):
+            args[key] = _int(data, key, where)
+            if width is not None and args[key] > width:
+                raise ValueError(f"{where}.{key}={args[key]} exceeds the layer's key/value width "
+                                 f"{width} (num_key_value_heads x head_dim); allowed: 1..{width}")
+        return args
+
+
+@dataclass(frozen=True, kw_only=True)
 class MlaSpec(AttentionSpec):
     """Multi-head latent attention (``latent_attention.py``)."""
 
@@ -291,7 +313,7 @@ def _spec_class(data: Mapping, where: str) -> type[AttentionSpec]:
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"{where}.kind={kind!r}; allowed: {', '.join(ATTENTION_KINDS)}")
     if kind != "csa2":
-        return DenseSpec if kind == "dense" else MlaSpec
+        return {"dense": DenseSpec, "lowrank": LowRankSpec, "mla": MlaSpec}[kind]
     mode = data.get("mode")
     if mode not in CSA2_MODES:
         raise ValueError(f"{where}.mode={mode!r}; allowed: {', '.join(CSA2_MODES)}")
@@ -350,5 +372,5 @@ def parse_attention_layers(layers: Sequence[Mapping], *, num_attention_heads: in
     return check_csa2_sources(specs)
 
 
-__all__ = ["ATTENTION_KINDS", "CSA2_MODES", "AttentionSpec", "Csa2FullSpec", "Csa2ReaderSpec", "DenseSpec", "MlaSpec",
+__all__ = ["ATTENTION_KINDS", "CSA2_MODES", "AttentionSpec", "Csa2FullSpec", "Csa2ReaderSpec", "DenseSpec", "LowRankSpec", "MlaSpec",
            "check_csa2_sources", "parse_attention_layers"]

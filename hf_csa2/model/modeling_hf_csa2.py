@@ -4,7 +4,8 @@ One code path for every supported source architecture: build the source causal L
 transformers (Llama, Qwen2, Qwen3, Mistral, Gemma3) and swap each decoder layer's attention
 module for one of ours, which adopts the source module's projections and norms (same
 parameter names, so state dicts line up) and adds what the layer spec asks for: a different
-number of KV heads and per-head sink logits (:class:`DenseSinkAttention`), or multi-head latent
+number of KV heads and per-head sink logits (:class:`DenseSinkAttention`), low-rank codes of its own
+keys and values (:class:`LowRankKVAttention`), or multi-head latent
 attention (:class:`LatentAttention`), or CSA2 shared-KV sparse attention
 (:class:`Csa2FullAttention`, :class:`Csa2ReaderAttention`).
 
@@ -15,6 +16,8 @@ can copy it next to the weights for ``trust_remote_code=True``.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 
 import torch
 from torch import nn
@@ -29,7 +32,8 @@ from .configuration_hf_csa2 import Csa2Config, as_layer_spec, layer_geometry
 from .csa2_attention import Csa2FullAttention, Csa2ReaderAttention, EntryReader, own_cache_layer
 from .dense_attention import DenseSinkAttention
 from .latent_attention import LatentAttention
-from .layer_specs import AttentionSpec, Csa2FullSpec, Csa2ReaderSpec, MlaSpec, parse_attention_layers
+from .layer_specs import AttentionSpec, Csa2FullSpec, Csa2ReaderSpec, LowRankSpec, MlaSpec, parse_attention_layers
+from .lowrank_attention import LowRankKVAttention
 
 
 def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_idx: int,
@@ -51,7 +55,17 @@ def build_attention(source: nn.Module, base_config, config: Csa2Config, layer_id
         # The entries' layer is self-contained (a full layer): check just that one.
         entries = None if spec.entries is None else as_layer_spec(config.attention_layers[spec.entries], spec.entries, config)
         return Csa2ReaderAttention(source, config, layer_idx, spec, entries)
+    if isinstance(spec, LowRankSpec):
+        return LowRankKVAttention(source, config, layer_idx, spec)
     return DenseSinkAttention(source, config, layer_idx, spec)
+
+
+def key_rotary(rotary: nn.Module, config, layer_idx: int):
+    """``(x, position_ids) -> (cos, sin)`` of the source model's rotary module for layer
+    ``layer_idx`` (Gemma-3 keeps one RoPE base per layer type and takes the type as an argument)."""
+    if "layer_type" in inspect.signature(rotary.forward).parameters:
+        return functools.partial(rotary, layer_type=config.layer_types[layer_idx])
+    return rotary
 
 
 def padding_starts(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -109,9 +123,11 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
             layer.self_attn = build_attention(layer.self_attn, base_config, config, i, spec)
         # CSA2 layers read entries that earlier layers computed in the same forward.
         peers = [layer.self_attn for layer in self.model.layers]
-        for attn in peers:
+        for i, attn in enumerate(peers):
             if isinstance(attn, Csa2ReaderAttention):
                 attn.peers = peers
+            if isinstance(attn, LowRankKVAttention):  # rebuilds rotated keys at cached positions
+                attn.key_rotary = key_rotary(self.model.rotary_emb, base_config, i)
         # One config object at run time, so attn_implementation switches reach every module.
         for module in self.modules():
             if module is not self and isinstance(getattr(module, "config", None), type(base_config)):
@@ -136,7 +152,7 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
     @property
     def _reads_by_position(self) -> bool:
         # The JSON form: it is read on every forward, and layer_specs would check every layer each time.
-        return any(spec["kind"] == "csa2" for spec in self.config.attention_layers)
+        return any(spec["kind"] in ("csa2", "lowrank") for spec in self.config.attention_layers)
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -191,4 +207,4 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["DenseSinkAttention", "AttentionBase", "Csa2ForCausalLM", "Csa2FullAttention", "LatentAttention", "Csa2ReaderAttention", "Csa2PreTrainedModel", "SINK_OFF"]
+__all__ = ["DenseSinkAttention", "LowRankKVAttention", "AttentionBase", "Csa2ForCausalLM", "Csa2FullAttention", "LatentAttention", "Csa2ReaderAttention", "Csa2PreTrainedModel", "SINK_OFF"]

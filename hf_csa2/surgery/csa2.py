@@ -2,8 +2,10 @@
 
 ``full`` layers come from the MLA form of the same layer (its latent entries become the
 shared entries); ``reindex`` / ``reuse`` / ``swa`` layers keep their own dense keys/values for
-their window and get an entry reader (and, for reindex, an index query). :func:`apply_csa2`
-fits readers, indexers and entry logit biases on calibration text.
+their window and get an entry reader (and, for reindex, an index query); ``lowrank`` layers read
+every position from rank-r codes of their own keys and values (``surgery/lowrank.py``: for a
+layer that must read far facts back, which another layer's entries cannot serve).
+:func:`apply_csa2` fits readers, indexers, codes and entry logit biases on calibration text.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import torch
 from ..model import Csa2ForCausalLM
 from ..model.attention_base import rotate_half
 from ..model.configuration_hf_csa2 import (
-    CSA2_MODES,
     CSA2_READ_PATHS,
     attention_head_dim,
 )
@@ -28,10 +29,11 @@ from .layerwise import (
     refit_output_projection,
     source_attention_outputs,
 )
-from .linalg import ridge_solve
+from .linalg import augmented_moment, ridge_solve
+from .lowrank import fit_lowrank_layer
 from .mla import MlaFitReport, apply_mla
 from .mla.rope_slots import pre_rope_qk
-from .plan import Csa2Plan, MlaPlan, default_sources
+from .plan import CSA2_PLAN_MODES, Csa2Plan, MlaPlan, default_sources
 from .rebuild import is_csa2, native_specs, to_csa2
 
 
@@ -49,6 +51,7 @@ def csa2_layer_specs(
     sinks: bool | None = None,
     sink_tokens: int = 0,
     exact_window: bool = False,
+    lowrank_ranks: tuple[int, int] = (128, 128),
 ) -> list[dict]:
     """Per-layer ``kind: csa2`` specs.
 
@@ -56,16 +59,22 @@ def csa2_layer_specs(
     of each layer (``num_key_value_heads``/``sinks`` of the window); modes/sources: the layer plan
     (source = None for full/swa). ``sinks=None`` keeps each layer's own setting. Non-full layers
     keep the first ``sink_tokens`` tokens exactly besides their window; with ``exact_window``
-    full layers read their window from their own exact keys/values too.
+    full layers read their window from their own exact keys/values too. ``lowrank`` layers get
+    ``kind: lowrank`` specs with ``lowrank_ranks`` = (key rank, value rank).
     """
     n = len(modes)
     if not (len(mla_specs) == len(dense_specs) == len(sources) == n):
         raise ValueError(f"one mode and one source per layer: got {len(modes)} modes, {len(sources)} sources for {len(mla_specs)} layers")
     specs = []
     for i, (mode, src) in enumerate(zip(modes, sources)):
-        if mode not in CSA2_MODES:
-            raise ValueError(f"layer {i}: mode={mode!r}; allowed: {', '.join(CSA2_MODES)}")
+        if mode not in CSA2_PLAN_MODES:
+            raise ValueError(f"layer {i}: mode={mode!r}; allowed: {', '.join(CSA2_PLAN_MODES)}")
         base = mla_specs[i] if mode == "full" else dense_specs[i]
+        if mode == "lowrank":
+            specs.append({"kind": "lowrank", "num_key_value_heads": base["num_key_value_heads"],
+                          "sinks": base.get("sinks", False) if sinks is None else sinks,
+                          "key_rank": lowrank_ranks[0], "value_rank": lowrank_ranks[1]})
+            continue
         spec = {"kind": "csa2", "mode": mode, "window": window,
                 "num_key_value_heads": base["num_key_value_heads"],
                 "sinks": base.get("sinks", False) if sinks is None else sinks}
@@ -83,6 +92,11 @@ def csa2_layer_specs(
     return specs
 
 
+def layer_mode(spec: dict) -> str:
+    """A CSA2 model layer's plan mode: its csa2 mode, or ``lowrank``."""
+    return spec.get("mode", spec["kind"])
+
+
 def assemble_csa2(dense_model, mla_model, specs: list[dict]) -> Csa2ForCausalLM:
     """Build the CSA2 model: full layers take ``mla_model``'s attention weights (with
     ``exact_window`` the dense layer's k/v/o projections), every other layer ``dense_model``'s
@@ -92,7 +106,7 @@ def assemble_csa2(dense_model, mla_model, specs: list[dict]) -> Csa2ForCausalLM:
     mla_state = mla_model.state_dict()
     for i, spec in enumerate(specs):
         prefix = f"model.layers.{i}.self_attn."
-        if spec["mode"] == "full":
+        if spec.get("mode") == "full":
             # An exact window reads the dense layer's own key/value projections; its o_proj starts
             # from the dense layer's too (the MLA stage's refit was fitted to a latent window).
             kept = ("k_proj.", "v_proj.", "o_proj.") if spec.get("exact_window") else ()
@@ -376,6 +390,8 @@ class Csa2LayerFit:
     index_kl_after: float | None = None
     reader_key_rel_err: float | None = None  # reindex/reuse: reader least squares of keys / values
     reader_value_rel_err: float | None = None
+    lowrank_key_rel_err: float | None = None  # lowrank: codes of the plain keys / values, relative squared error
+    lowrank_value_rel_err: float | None = None
     entry_share_before: float | None = None  # entry-mass bias: share of attention on the entries
     entry_share_after: float | None = None
     entry_share_target: float | None = None  # ... the dense layer's share at the same positions
@@ -388,7 +404,7 @@ class Csa2LayerFit:
 
 
 #: Csa2LayerFit fields the stage report averages over the layers that have them
-_AVERAGED = ("reader_key_rel_err", "reader_value_rel_err", "top_k_recall_init", "top_k_recall", "index_kl_before",
+_AVERAGED = ("reader_key_rel_err", "reader_value_rel_err", "lowrank_key_rel_err", "lowrank_value_rel_err", "top_k_recall_init", "top_k_recall", "index_kl_before",
              "index_kl_after", "entry_share_before", "entry_share_after", "entry_share_target", "entry_bias_offset",
              "entry_heads_off", "readout_rel_err_share", "readout_rel_err")
 
@@ -404,15 +420,16 @@ class Csa2FitReport:
     mla: MlaFitReport
 
     def stage_notes(self) -> dict:
-        notes: dict = {"modes": "".join({"full": "F", "reindex": "R", "reuse": "U", "swa": "S"}[m] for m in self.modes),
+        notes: dict = {"modes": "".join({"full": "F", "reindex": "R", "reuse": "U", "swa": "S", "lowrank": "L"}[m]
+                                        for m in self.modes),
                        "window": self.plan.window, "top_k": self.plan.top_k}
-        for key in _AVERAGED[:2]:
+        for key in _AVERAGED[:4]:
             _mean_into(notes, key, self.layers)
         refits = [f.rel_err_after for f in self.layers if f.rel_err_after is not None]
         if refits:
             notes["attn_out_rel_err_after_refit"] = sum(refits) / len(refits)
         notes["index_groups"] = [f.index_group for f in self.layers if f.index_group is not None]
-        for key in _AVERAGED[2:]:
+        for key in _AVERAGED[4:]:
             _mean_into(notes, key, self.layers)
         return notes
 
@@ -438,7 +455,12 @@ def fit_csa2_layer(attn, src, hidden: torch.Tensor, attn_kwargs: dict, target: t
     """
     notes: dict = {}
     pe = attn_kwargs["position_embeddings"]
-    mode = attn.spec["mode"]
+    mode = layer_mode(attn.spec)
+    if mode == "lowrank":
+        notes.update(fit_lowrank_layer(attn, src, augmented_moment(hidden)))
+        if opts.refit_output:
+            notes.update(refit_output_projection(attn, hidden, attn_kwargs, target))
+        return notes
     if mode == "full":
         mass = far_attention_mass(src, hidden, pe, opts.window)
         group = int(mass.argmax())
@@ -505,7 +527,8 @@ def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: to
     specs = csa2_layer_specs(mla.config.attention_layers, layers, modes, sources,
                              window=plan.window, top_k=plan.top_k, index_heads=index_heads, index_head_dim=index_dim,
                              index_rope_pairs=pairs, sinks=plan.sinks, sink_tokens=plan.sink_tokens,
-                             exact_window=plan.exact_window)
+                             exact_window=plan.exact_window,
+                             lowrank_ranks=(plan.lowrank_key_rank, plan.lowrank_value_rank))
     return assemble_csa2(dense, mla, specs), mla_report
 
 
@@ -548,7 +571,7 @@ def apply_csa2(model, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: torch.Tenso
     opts = Csa2FitOptions.from_plan(plan, calibrate_mass)
     dense_layers = decoder_layers(dense)
     targets = source_attention_outputs(dense, windows)
-    modes = [s["mode"] for s in new.config.attention_layers]
+    modes = [layer_mode(s) for s in new.config.attention_layers]
 
     def fit_layer(i, attn, hidden, attn_kwargs):
         notes = fit_csa2_layer(attn, dense_layers[i].self_attn, hidden, attn_kwargs, targets[i], opts)

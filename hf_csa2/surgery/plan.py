@@ -60,6 +60,9 @@ MLA_ROPE_CRITERIA = ("perturbation", "norm")
 SINK_INITS = ("calibrated", "off")
 DTYPES = ("float32", "bfloat16", "float16")
 CSA2_OTHER_MODES = ("reuse", "reindex", "swa")
+# A plan's layer modes: the CSA2 modes, and `lowrank` (the layer reads every position from
+# rank-r codes of its own keys and values: a kind of its own in config.json, not a csa2 mode).
+CSA2_PLAN_MODES = (*CSA2_MODES, "lowrank")
 
 # Upper bounds: far above anything these models use, low enough that a typo (1e11 tokens,
 # a 2^60 top-k) is refused at once instead of failing after minutes of work.
@@ -175,13 +178,13 @@ class Csa2Plan:
     """Rewrite the model into CSA2 shared-KV sparse layers (needs the ``mla`` section: it says
     how full layers build their shared latent entries).
 
-    The layer plan is either ``layers`` (one mode per layer: full, reindex, reuse, swa) or
+    The layer plan is either ``layers`` (one mode per layer: full, reindex, reuse, swa, lowrank) or
     ``full_every: k`` (full at layers 0, k, 2k, ... and ``other_mode`` elsewhere). Reindex
     layers read the nearest earlier full layer, reuse layers the nearest earlier full or
     reindex layer. Each read attends Top-K (``top_k``) plus the layer's own ``window``.
     """
 
-    layers: Annotated[Optional[Annotated[list[Literal[CSA2_MODES]], Field(min_length=1, max_length=MAX_HEADS)]],
+    layers: Annotated[Optional[Annotated[list[Literal[CSA2_PLAN_MODES]], Field(min_length=1, max_length=MAX_HEADS)]],
                       _doc("one mode per layer (or give full_every)")] = None
     full_every: Annotated[Optional[_int(1, MAX_HEADS)], _doc("full at layers 0, k, 2k, ... and other_mode elsewhere (or give layers)")] = None
     other_mode: Annotated[Literal[CSA2_OTHER_MODES], _doc("with full_every: the mode of the other layers")] = "reuse"
@@ -199,7 +202,10 @@ class Csa2Plan:
         "full layers read their own last `window` tokens from exact keys/values (a constant-size ring, as every other "
         "layer does) and their latent entries only for Top-K far reads; o_proj then restarts from the source's and "
         "follows refit_output")] = False
-    refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa layers (and exact_window full layers) refit to the source's attention output")] = True
+    lowrank_key_rank: Annotated[_int(1, MAX_WIDTH), _doc(
+        "lowrank layers: width of the code each token's own key (before RoPE) is cached as")] = 128
+    lowrank_value_rank: Annotated[_int(1, MAX_WIDTH), _doc("lowrank layers: width of the code of each token's own value")] = 128
+    refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa/lowrank layers (and exact_window full layers) refit to the source's attention output")] = True
     indexer_warmup_steps: Annotated[_int(0, MAX_STEPS), _doc("KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)")] = 100
 
     def layer_modes(self, num_layers: int) -> list[str]:
@@ -400,6 +406,14 @@ class ConversionPlan:
             if width is not None and (width % 2 or width > head_dim):
                 raise PlanError(f"csa2.index_head_dim={width}; allowed: an even number 2..{head_dim} (the attention head "
                                 "width: RoPE pairs of it), or null")
+            if "lowrank" in modes:
+                kv = self.gqa.num_key_value_heads if self.gqa is not None else (
+                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+                for name in ("lowrank_key_rank", "lowrank_value_rank"):
+                    rank = getattr(self.csa2, name)
+                    if rank > kv * head_dim:
+                        raise PlanError(f"csa2.{name}={rank} exceeds a layer's key/value width {kv * head_dim} "
+                                        f"({kv} KV heads x {head_dim}); allowed: 1..{kv * head_dim}")
 
     def _validate_mla_for(self, config) -> None:
         kv = self.gqa.num_key_value_heads if self.gqa is not None else (
@@ -492,4 +506,5 @@ def _allowed(loc: tuple) -> str:
 
 __all__ = ["CalibrationPlan", "ConversionPlan", "Csa2Plan", "DistillPlan", "GqaPlan", "MlaPlan", "PlanError", "PlanField",
            "SinksPlan", "plan_fields", "set_fields",
-           "GQA_INITS", "MLA_INITS", "MLA_REMOVED_FIELDS", "SINK_INITS", "SURGERY_SECTIONS", "default_sources"]
+           "GQA_INITS", "MLA_INITS", "MLA_REMOVED_FIELDS", "SINK_INITS", "SURGERY_SECTIONS", "default_sources",
+           "CSA2_PLAN_MODES"]

@@ -32,7 +32,8 @@ def calib(seed=1):
     return torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(seed))
 
 
-def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, sink_tokens=0, exact_window=False):
+def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, sink_tokens=0, exact_window=False,
+               lowrank_ranks=(6, 5)):
     """Tiny source -> MLA (1/2-ish rank, 2 rope pairs) -> CSA2 with the given plan; indexers,
     readers and sinks randomised so that every term of every read is exercised."""
     src = tiny_model(arch, num_layers=len(modes))
@@ -41,14 +42,14 @@ def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, s
     specs = csa2_layer_specs(
         mla.config.attention_layers, dense_layer_specs(src), modes, sources,
         window=window, top_k=top_k, index_heads=2, index_head_dim=8, index_rope_pairs=[0, 1], sinks=sinks,
-        sink_tokens=sink_tokens, exact_window=exact_window,
+        sink_tokens=sink_tokens, exact_window=exact_window, lowrank_ranks=lowrank_ranks,
     )
     model = assemble_csa2(src, mla, specs)
     model.config._attn_implementation = "eager"
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "sinks" in name or ".indexer." in name or ".reader." in name:
+            if "sinks" in name or ".indexer." in name or ".reader." in name or "_down." in name or "_up." in name:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "sinks" not in name else 1.0))
     return model.eval(), mla, src
 

@@ -169,7 +169,7 @@ REINDEX = {"kind": "csa2", "mode": "reindex", "num_key_value_heads": 2, "source"
     "data, message",
     [
         ([], "attention_layers[0] must be a mapping, got list"),
-        ({"kind": "sparse", "num_key_value_heads": 2}, "attention_layers[0].kind='sparse'; allowed: dense, mla, csa2"),
+        ({"kind": "sparse", "num_key_value_heads": 2}, "attention_layers[0].kind='sparse'; allowed: dense, lowrank, mla, csa2"),
         ({"kind": "dense", "num_key_value_heads": 2, "windw": 3},
          "attention_layers[0] has unknown keys ['windw']; allowed for kind='dense': ['kind', 'num_key_value_heads', 'sinks']"),
         ({**FULL, "mode": "swa"}, "attention_layers[0] has unknown keys ['index_head_dim', "),

@@ -170,7 +170,8 @@ def test_convert_pipeline_with_a_csa2_plan(tmp_path, arch, capsys, monkeypatch):
     "csa2, message",
     [
         ({"full_every": 2, "layers": ["full"]}, "exactly one of layers"),
-        ({"layers": ["full", "copy"]}, r"csa2.layers\[1\]='copy'.*allowed: a list of swa, full, reindex, reuse"),
+        ({"layers": ["full", "copy"]}, r"csa2.layers\[1\]='copy'.*allowed: a list of swa, full, reindex, reuse, lowrank"),
+        ({"full_every": 2, "lowrank_key_rank": 0}, "csa2.lowrank_key_rank=0"),
         ({"full_every": 0}, "full_every=0"),
         ({"full_every": 2, "other_mode": "full"}, "other_mode"),
         ({"full_every": 2, "window": 0}, "csa2.window=0"),
@@ -262,4 +263,35 @@ def test_index_head_dim_is_checked_against_the_model():
     plan = ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
                                      "csa2": {"layers": ["full", "reuse"], "index_head_dim": 3}})
     with pytest.raises(PlanError, match=r"csa2.index_head_dim=3; allowed: an even number 2\.\."):
+        plan.validate_for(tiny_model("llama").config)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+def test_lowrank_layers_fit_codes_of_their_own_keys_and_values(arch):
+    """A ``lowrank`` layer of a CSA2 plan: its codes fitted (error below reading nothing, and lower
+    at a wider code), its o_proj refit, reuse layers still reading the full layer before it."""
+    modes = ["full", "lowrank", "reuse", "swa", "lowrank"]
+    errs, per_token = {}, {}
+    for rank in (4, 16):
+        src, model, report = convert_tiny(arch, modes, lowrank_key_rank=rank, lowrank_value_rank=rank)
+        assert [type(l.self_attn).__name__ for l in model.model.layers] == [
+            "Csa2FullAttention", "LowRankKVAttention", "Csa2ReaderAttention", "Csa2ReaderAttention", "LowRankKVAttention"]
+        assert [s["kind"] for s in model.config.attention_layers] == ["csa2", "lowrank", "csa2", "csa2", "lowrank"]
+        assert model.config.attention_layers[2]["source"] == 0
+        assert report.stage_notes()["modes"] == "FLUSL"
+        fit = report.layers[1]
+        assert 0.0 < fit.lowrank_key_rel_err < 1.0 and 0.0 < fit.lowrank_value_rel_err < 1.0
+        assert fit.rel_err_after < fit.rel_err_before
+        errs[rank] = (fit.lowrank_key_rel_err, fit.lowrank_value_rel_err)
+        per_token[rank] = config_kv_elements_per_token(model.config)
+    assert errs[16][0] < errs[4][0] and errs[16][1] < errs[4][1]
+    # the cache counts each lowrank layer's codes: 2 layers x (16 - 4) wider keys and values
+    assert per_token[16] - per_token[4] == 2 * 2 * (16 - 4)
+
+
+def test_lowrank_ranks_are_checked_against_the_model():
+    plan = ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4},
+                                     "csa2": {"layers": ["full", "lowrank"], "lowrank_key_rank": 8,
+                                              "lowrank_value_rank": 25}})
+    with pytest.raises(PlanError, match=r"csa2.lowrank_value_rank=25 exceeds a layer's key/value width 24 .*allowed: 1..24"):
         plan.validate_for(tiny_model("llama").config)
