@@ -12,7 +12,7 @@
     hf-csa2 bench MODEL [MODEL ...] [--lengths 2048,4096,8192] [--new-tokens 16] [--repeats 3] [--batch 1]
     hf-csa2 inspect MODEL [--json]
     hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192] [--swa-pass]
-                 [--no-retrieval-scan] [--keep-full LAYERS]
+                 [--no-retrieval-scan] [--retrieval-mode lowrank|full] [--keep-full LAYERS]
     hf-csa2 export DIR --format deepseek_v3 --out OUT [--overwrite]
 """
 
@@ -551,9 +551,17 @@ def _plan(args) -> int:
     num_layers = source_config.num_hidden_layers
     if any(i >= num_layers for i in keep_full):
         raise InputError(f"--keep-full {args.keep_full}; allowed: layer indices 0..{num_layers - 1}")
+    if args.retrieval_scan and args.retrieval_mode == "lowrank":
+        kv = base.gqa.num_key_value_heads if base.gqa is not None else (
+            getattr(source_config, "num_key_value_heads", None) or source_config.num_attention_heads)
+        width = kv * attention_head_dim(source_config)
+        for name in ("lowrank_key_rank", "lowrank_value_rank"):
+            if (getattr(base.csa2, name) or 0) > width:
+                raise PlanError(f"csa2.{name}={getattr(base.csa2, name)} exceeds the source's key/value width {width} "
+                                f"(retrieval layers become lowrank); allowed: 1..{width}, or --retrieval-mode full")
     base.csa2.layers, base.csa2.full_every = None, 1  # every layer full: valid for any source while checking
     prepared = prepare_source(args.source, base, _log, trust_remote_code=args.trust_remote_code)
-    scan = None
+    scan, lowrank_layers = None, []
     probes = prepared.calib.probes
     if args.retrieval_scan and not probes:
         _log("retrieval scan skipped: no answer-check probes (calibration.answer_probes is 0, or the calibration "
@@ -570,18 +578,24 @@ def _plan(args) -> int:
     if scan is not None:
         print(scan.table())
         if scan.retrieval_layers:
+            kept = ("they become lowrank (own keys and values cached as codes: csa2.lowrank_key_rank / lowrank_value_rank)"
+                if args.retrieval_mode == "lowrank" else "they stay full")
             _log(f"retrieval layers {scan.retrieval_layers}: reading only their window loses far answers (source "
-                 f"{scan.source.far}/{scan.source.per_depth}): they stay full (as swa they would read only that "
+                 f"{scan.source.far}/{scan.source.per_depth}): {kept} (as swa they would read only that "
                  "window; as reuse, another layer's latent entries)")
         else:
             _log(f"retrieval scan: no layer alone loses {args.retrieval_drop:.0%} of the far answers "
                  f"(source {scan.source.far}/{scan.source.per_depth})")
-        keep_full = sorted(set(keep_full) | set(scan.retrieval_layers))
+        if args.retrieval_mode == "lowrank":
+            lowrank_layers = [i for i in scan.retrieval_layers if i not in keep_full]
+        else:
+            keep_full = sorted(set(keep_full) | set(scan.retrieval_layers))
     # the search starts from what the csa2 stage of `convert` would get (after gqa / sinks)
     model = run_stages(prepared.model, base, prepared.calib, before="csa2")
     result = search_plan(model, prepared.calib.fit, prepared.calib.score, base.csa2, base.mla,
                          kv_budget=budget, context=args.context, other_mode=other, refresh=args.refresh,
-                         part_windows=args.part_windows, swa_pass=args.swa_pass, keep_full=keep_full, log=_log)
+                         part_windows=args.part_windows, swa_pass=args.swa_pass, keep_full=keep_full,
+                         lowrank_layers=lowrank_layers, log=_log)
     table = format_curve(result)
     print(table)
     base.csa2.layers, base.csa2.full_every = result.final.modes, None
@@ -597,7 +611,8 @@ def _plan(args) -> int:
               "convert the plan for its real figures.", ""]
     if scan is not None:
         header += [f"retrieval scan (far answers with one layer of the source cut to its window; a layer losing "
-                   f">= {args.retrieval_drop:.0%} of the source's stays full): kept full {result.kept_full or 'none'}",
+                   f">= {args.retrieval_drop:.0%} of the source's is {args.retrieval_mode}): kept full "
+                   f"{result.kept_full or 'none'}, lowrank {result.lowrank_layers or 'none'}",
                    ""] + scan.table().splitlines() + [""]
     header += table.splitlines()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -808,10 +823,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "where the calibration loss falls")
     p.add_argument("--retrieval-scan", action=argparse.BooleanOptionalAction, default=True,
                    help="first cut each layer of the source alone to the plan's window and re-ask the answer check's "
-                        "far probes; layers whose cut loses --retrieval-drop of the far answers stay full (calibration "
-                        "loss does not see them)")
+                        "far probes; layers whose cut loses --retrieval-drop of the far answers are retrieval layers, "
+                        "never demoted to reuse (calibration loss does not see them)")
     p.add_argument("--retrieval-drop", type=float, default=0.5,
-                   help="share of the source's far answers a layer's cut must lose to keep it full (0 < x <= 1)")
+                   help="share of the source's far answers a layer's cut must lose to be a retrieval layer (0 < x <= 1)")
+    p.add_argument("--retrieval-mode", choices=("lowrank", "full"), default="lowrank",
+                   help="what the retrieval layers become: lowrank (own keys and values cached as codes of width "
+                        "csa2.lowrank_key_rank / lowrank_value_rank; default) or full (MLA latent entries)")
     p.add_argument("--keep-full", default=None, help="comma-separated layers that stay full, beside the scan's")
     p.add_argument("--json", help="also write the trade-off curve as JSON")
     p.add_argument("--overwrite", action="store_true")

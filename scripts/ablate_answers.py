@@ -14,7 +14,10 @@ restricted to its last N tokens (with the source as CONVERTED: which layers read
 its window from the source's exact keys/values and only Top-K far entries from its latent,
 ``window-only`` reads no far entry at all; ``own-keys`` / ``own-values`` / ``own-both`` make a
 reuse layer read its OWN exact keys / values / both at the shared Top-K addresses, ``own-rankN``
-both cut to rank N (an oracle basis from the same text). Prints one row per
+both cut to rank N (an oracle basis from the same text); ``lowrankK,V`` replaces the layer by a
+``lowrank`` layer built from the source's (its q/o projections, key codes of width K and value codes of
+width V fitted on the source's inputs to that layer over ``--calib`` text: what the conversion fits,
+without the o_proj refit). Prints one row per
 variant and context: answer check far/near, answer NLL, top-1 agreement and KL over all positions.
 """
 
@@ -30,6 +33,10 @@ from hf_csa2.evals.compare import compare_models
 from hf_csa2.io.sources import load_source
 from hf_csa2.metrics.answer_check import answer_check, make_probes
 from hf_csa2.model.attention_base import rotate_half
+from hf_csa2.model.lowrank_attention import LowRankKVAttention
+from hf_csa2.model.modeling_hf_csa2 import key_rotary
+from hf_csa2.surgery.calibration import attention_input_moments
+from hf_csa2.surgery.lowrank import fit_lowrank_layer
 
 
 class _DenseFromSource(torch.nn.Module):
@@ -130,6 +137,23 @@ def exact_window(attn, source_attn, far: bool = True) -> None:
     attn.attention_output = attention_output
 
 
+CALIB = {"text": "python-docs:calib", "seq_len": 1024, "windows": 8}  # set from the command line
+
+
+def lowrank_from_source(model, source, i: int, key_rank: int, value_rank: int):
+    """Layer ``i`` of ``source`` as a ``lowrank`` layer of ``model`` (codes fitted on the calibration text)."""
+    src_attn = source.model.layers[i].self_attn
+    if "moments" not in CALIB:
+        windows = token_windows(CALIB["tokenizer"], CALIB["text"], CALIB["seq_len"], CALIB["windows"])
+        CALIB["moments"] = attention_input_moments(source, windows, batch_size=2)
+    spec = {"kind": "lowrank", "num_key_value_heads": src_attn.config.num_key_value_heads, "sinks": False,
+            "key_rank": key_rank, "value_rank": value_rank}
+    attn = LowRankKVAttention(copy.deepcopy(src_attn), model.config, i, spec)
+    fit_lowrank_layer(attn, src_attn, CALIB["moments"][i])
+    attn.key_rotary = key_rotary(model.model.rotary_emb, model.config, i)
+    return attn
+
+
 def restore(model, source, part: str, layers: str):
     """Put the source's ``part`` back into ``model`` (changed in place) in ``layers``."""
     n = len(model.model.layers)
@@ -146,8 +170,12 @@ def restore(model, source, part: str, layers: str):
                 exact_window(model.model.layers[i].self_attn, source.model.layers[i].self_attn, far=part == "exact-window")
             elif part.startswith("own-"):
                 own_entries(model.model.layers[i].self_attn, part[4:])
+            elif part.startswith("lowrank"):
+                key_rank, value_rank = (int(r) for r in part[len("lowrank"):].split(","))
+                model.model.layers[i].self_attn = lowrank_from_source(model, source, i, key_rank, value_rank)
             else:
-                raise SystemExit(f"unknown part {part!r}; allowed: o_proj, attn, windowN, exact-window, window-only, own-keys, own-values, own-both")
+                raise SystemExit(f"unknown part {part!r}; allowed: o_proj, attn, windowN, exact-window, window-only, own-keys, own-values, own-both, "
+                                 "lowrankK,V")
     return model
 
 
@@ -160,8 +188,10 @@ def main() -> None:
     parser.add_argument("--per-depth", type=int, default=6)
     parser.add_argument("--windows", type=int, default=3, help="text windows the probes are cut from")
     parser.add_argument("--restore", action="append", default=[], metavar="PART:LAYERS")
+    parser.add_argument("--calib", default=CALIB["text"], help="text the lowrank variants' codes are fitted on")
     args = parser.parse_args()
     source = load_source(args.source)
+    CALIB.update(text=args.calib, tokenizer=source.tokenizer)
     converted = load_source(args.converted).model.eval()
     if getattr(converted.config, "csa2_read_path", None):
         converted.config.csa2_read_path = "scores"  # exact like the reference "gather", much faster at these lengths

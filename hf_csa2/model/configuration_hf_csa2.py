@@ -10,7 +10,9 @@ and masks), plus fields of ours:
 * ``attention_layers`` -- one spec dict per decoder layer describing its attention, e.g.
   ``{"kind": "dense", "num_key_value_heads": 1, "sinks": True}`` or
   ``{"kind": "mla", "num_key_value_heads": 3, "kv_lora_rank": 64, "rope_pairs": [[0, 1], ...], "sinks": False}``
-  (multi-head latent attention: see ``latent_attention.py``).
+  (multi-head latent attention: see ``latent_attention.py``) or
+  ``{"kind": "lowrank", "num_key_value_heads": 1, "key_rank": 128, "value_rank": 128, "sinks": False}``
+  (own keys and values cached as rank-r codes: see ``lowrank_attention.py``).
 * CSA2 shared-KV sparse layers, ``{"kind": "csa2", "mode": "full" | "reindex" | "reuse" | "swa",
   "window": W, ...}`` (see ``csa2_attention.py``): ``full`` adds the MLA fields plus ``top_k``,
   ``index_heads``, ``index_head_dim``, ``index_rope_pairs``; ``reindex`` has ``source``,

@@ -51,7 +51,8 @@ def csa2_layer_specs(
     sinks: bool | None = None,
     sink_tokens: int = 0,
     exact_window: bool = False,
-    lowrank_ranks: tuple[int, int] = (128, 128),
+    lowrank_ranks: tuple[int | None, int | None] = (None, None),
+    head_dim: int | None = None,
 ) -> list[dict]:
     """Per-layer ``kind: csa2`` specs.
 
@@ -60,7 +61,8 @@ def csa2_layer_specs(
     (source = None for full/swa). ``sinks=None`` keeps each layer's own setting. Non-full layers
     keep the first ``sink_tokens`` tokens exactly besides their window; with ``exact_window``
     full layers read their window from their own exact keys/values too. ``lowrank`` layers get
-    ``kind: lowrank`` specs with ``lowrank_ranks`` = (key rank, value rank).
+    ``kind: lowrank`` specs with ``lowrank_ranks`` = (key rank, value rank); None: half the layer's
+    key width and its full value width (``num_key_value_heads * head_dim``; needs ``head_dim``).
     """
     n = len(modes)
     if not (len(mla_specs) == len(dense_specs) == len(sources) == n):
@@ -71,9 +73,13 @@ def csa2_layer_specs(
             raise ValueError(f"layer {i}: mode={mode!r}; allowed: {', '.join(CSA2_PLAN_MODES)}")
         base = mla_specs[i] if mode == "full" else dense_specs[i]
         if mode == "lowrank":
+            if None in lowrank_ranks and head_dim is None:
+                raise ValueError("lowrank layers with a default rank need head_dim")
+            width = None if head_dim is None else base["num_key_value_heads"] * head_dim
+            key_rank, value_rank = lowrank_ranks
             specs.append({"kind": "lowrank", "num_key_value_heads": base["num_key_value_heads"],
                           "sinks": base.get("sinks", False) if sinks is None else sinks,
-                          "key_rank": lowrank_ranks[0], "value_rank": lowrank_ranks[1]})
+                          "key_rank": key_rank or width // 2, "value_rank": value_rank or width})
             continue
         spec = {"kind": "csa2", "mode": mode, "window": window,
                 "num_key_value_heads": base["num_key_value_heads"],
@@ -528,7 +534,7 @@ def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: to
                              window=plan.window, top_k=plan.top_k, index_heads=index_heads, index_head_dim=index_dim,
                              index_rope_pairs=pairs, sinks=plan.sinks, sink_tokens=plan.sink_tokens,
                              exact_window=plan.exact_window,
-                             lowrank_ranks=(plan.lowrank_key_rank, plan.lowrank_value_rank))
+                             lowrank_ranks=(plan.lowrank_key_rank, plan.lowrank_value_rank), head_dim=d)
     return assemble_csa2(dense, mla, specs), mla_report
 
 

@@ -202,9 +202,11 @@ class Csa2Plan:
         "full layers read their own last `window` tokens from exact keys/values (a constant-size ring, as every other "
         "layer does) and their latent entries only for Top-K far reads; o_proj then restarts from the source's and "
         "follows refit_output")] = False
-    lowrank_key_rank: Annotated[_int(1, MAX_WIDTH), _doc(
-        "lowrank layers: width of the code each token's own key (before RoPE) is cached as")] = 128
-    lowrank_value_rank: Annotated[_int(1, MAX_WIDTH), _doc("lowrank layers: width of the code of each token's own value")] = 128
+    lowrank_key_rank: Annotated[Optional[_int(1, MAX_WIDTH)], _doc(
+        "lowrank layers: width of the code each token's own key (before RoPE) is cached as; None: half the layer's "
+        "key width (num_key_value_heads x head_dim)")] = None
+    lowrank_value_rank: Annotated[Optional[_int(1, MAX_WIDTH)], _doc(
+        "lowrank layers: width of the code of each token's own value; None: the full value width (exact values)")] = None
     refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa/lowrank layers (and exact_window full layers) refit to the source's attention output")] = True
     indexer_warmup_steps: Annotated[_int(0, MAX_STEPS), _doc("KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)")] = 100
 
@@ -411,7 +413,7 @@ class ConversionPlan:
                     getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
                 for name in ("lowrank_key_rank", "lowrank_value_rank"):
                     rank = getattr(self.csa2, name)
-                    if rank > kv * head_dim:
+                    if rank is not None and rank > kv * head_dim:
                         raise PlanError(f"csa2.{name}={rank} exceeds a layer's key/value width {kv * head_dim} "
                                         f"({kv} KV heads x {head_dim}); allowed: 1..{kv * head_dim}")
 

@@ -35,8 +35,10 @@ import torch
 from ..errors import InputError
 from ..metrics.kv_cache import config_kv_elements_at_context
 from ..metrics.perplexity import mean_nll
-from ..model.configuration_hf_csa2 import Csa2Config, validate_csa2_sources
+from ..model.configuration_hf_csa2 import Csa2Config, attention_head_dim, validate_csa2_sources
 from ..model.csa2_attention import Csa2ReaderAttention
+from ..model.lowrank_attention import LowRankKVAttention
+from ..model.modeling_hf_csa2 import key_rotary
 from .calibration import decoder_layers
 from .csa2 import (
     Csa2FitOptions,
@@ -46,6 +48,7 @@ from .csa2 import (
     default_sources,
     dense_layer_specs,
     fit_csa2_layer,
+    layer_mode,
 )
 from .layerwise import calibrate_layerwise, source_attention_outputs
 from .plan import Csa2Plan, MlaPlan
@@ -74,6 +77,7 @@ class PlanSearchResult:
     evaluations: int
     swa_pass: PlanPoint | None = None  # the chosen full layers with readers turned swa where that helps
     kept_full: list[int] = dataclasses.field(default_factory=list)  # never demoted (e.g. retrieval layers)
+    lowrank_layers: list[int] = dataclasses.field(default_factory=list)  # lowrank in every plan (e.g. retrieval layers)
 
     @property
     def final(self) -> PlanPoint:
@@ -106,12 +110,14 @@ def parse_kv_budget(text: str | float, source_kv: float) -> float:
     return value * source_kv if value < 1 else value
 
 
-def plan_modes(num_layers: int, full_layers: Iterable[int], other_mode: str = "reuse") -> list[str]:
-    """Modes of the plan with these full layers: ``other_mode`` after the first full layer,
-    ``swa`` before it (nothing to read there)."""
-    full = set(full_layers)
+def plan_modes(num_layers: int, full_layers: Iterable[int], other_mode: str = "reuse",
+               lowrank_layers: Iterable[int] = ()) -> list[str]:
+    """Modes of the plan with these full layers: ``lowrank`` at ``lowrank_layers``, ``other_mode``
+    after the first full layer, ``swa`` before it (nothing to read there)."""
+    full, own = set(full_layers), set(lowrank_layers)
     first = min(full) if full else num_layers
-    return ["full" if i in full else ("swa" if i < first else other_mode) for i in range(num_layers)]
+    return ["lowrank" if i in own else "full" if i in full else ("swa" if i < first else other_mode)
+            for i in range(num_layers)]
 
 
 def uniform_full_layers(num_layers: int, count: int) -> list[int]:
@@ -180,12 +186,14 @@ class PlanBank:
     """
 
     def __init__(self, model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, mla_plan: MlaPlan,
-                 other_mode: str = "reuse", log: Callable[[str], None] = print, part_windows: int | None = None):
+                 other_mode: str = "reuse", log: Callable[[str], None] = print, part_windows: int | None = None,
+                 lowrank_layers: Iterable[int] = ()):
         if other_mode not in SEARCH_OTHER_MODES:
             raise ValueError(f"other_mode={other_mode!r}; allowed: {', '.join(SEARCH_OTHER_MODES)}")
         self.dense = as_dense_csa2(model)
         self.num_layers = len(self.dense.config.attention_layers)
         self.other_mode, self.score = other_mode, score
+        self.lowrank_layers = sorted(set(lowrank_layers))
         self.plan = dataclasses.replace(plan, layers=["full"] * self.num_layers, full_every=None)
         self.opts = Csa2FitOptions.from_plan(self.plan)
         log(f"plan search: fitting the all-full model ({self.num_layers} layers)")
@@ -215,11 +223,13 @@ class PlanBank:
                                  window=self.opts.window, top_k=self.opts.top_k, index_heads=first["index_heads"],
                                  index_head_dim=first["index_head_dim"], index_rope_pairs=first["index_rope_pairs"],
                                  sinks=self.plan.sinks, sink_tokens=self.plan.sink_tokens,
-                                 exact_window=self.plan.exact_window)
+                                 exact_window=self.plan.exact_window,
+                                 lowrank_ranks=(self.plan.lowrank_key_rank, self.plan.lowrank_value_rank),
+                                 head_dim=attention_head_dim(self.dense.config))
         return validate_csa2_sources(specs)
 
     def modes(self, full_layers: Iterable[int]) -> list[str]:
-        return plan_modes(self.num_layers, full_layers, self.other_mode)
+        return plan_modes(self.num_layers, full_layers, self.other_mode, self.lowrank_layers)
 
     def kv_elements_per_token(self, full_layers: Iterable[int], context: int) -> float:
         """Cache elements per token after a ``context``-token prefill (from the config)."""
@@ -228,14 +238,18 @@ class PlanBank:
         return config_kv_elements_at_context(config, context) / context
 
     # -- parts ------------------------------------------------------------------------------
-    def part(self, i: int, specs: list[dict]) -> Csa2ReaderAttention:
-        """Layer ``i`` of a plan as a fitted window layer (cached per mode and source)."""
+    def part(self, i: int, specs: list[dict]) -> Csa2ReaderAttention | LowRankKVAttention:
+        """Layer ``i`` of a plan as a fitted window or lowrank layer (cached per mode and source)."""
         spec = specs[i]
-        key = (i, spec["mode"], spec.get("source"))
+        key = (i, layer_mode(spec), spec.get("source"))
         if key not in self.parts:
             entries = specs[spec["entries"]] if "entries" in spec else None
             dense = self.dense_modules[i]
-            attn = Csa2ReaderAttention(dense, self.model.config, i, spec, entries)
+            if spec["kind"] == "lowrank":
+                attn = LowRankKVAttention(dense, self.model.config, i, spec)
+                attn.key_rotary = key_rotary(self.model.model.rotary_emb, self.dense.config.to_base_config(), i)
+            else:
+                attn = Csa2ReaderAttention(dense, self.model.config, i, spec, entries)
             attn.o_proj = copy.deepcopy(attn.o_proj)  # refit per part; q/k/v stay shared with the dense layer
             if attn.sinks is not None and dense.sinks is not None:
                 attn.sinks.data.copy_(dense.sinks.data)
@@ -255,8 +269,8 @@ class PlanBank:
         """Make the bank model the plan with these modes (in place; full layers as in the bank,
         the others ``swa`` or the bank's ``other_mode``). All or nothing: when a part fails to
         fit, the model keeps the plan it had."""
-        if any(m not in ("full", "swa", self.other_mode) for m in modes):
-            raise ValueError(f"modes {modes}; allowed in this bank: full, swa, {self.other_mode}")
+        if any(m not in ("full", "swa", "lowrank", self.other_mode) for m in modes):
+            raise ValueError(f"modes {modes}; allowed in this bank: full, swa, lowrank, {self.other_mode}")
         specs = self.plan_specs(modes)
         layers = decoder_layers(self.model)
         modules = [self.full_modules[i] if modes[i] == "full" else self.part(i, specs) for i in range(len(layers))]
@@ -282,7 +296,7 @@ class PlanBank:
         it where the calibration loss falls. Same KV: a reader caches only its window."""
         modes, best = list(point.modes), point.calib_ppl
         for i, mode in enumerate(point.modes):
-            if mode in ("full", "swa"):
+            if mode in ("full", "swa", "lowrank"):
                 continue
             trial = modes[:i] + ["swa"] + modes[i + 1:]
             ppl = self.score_modes(trial)
@@ -294,19 +308,25 @@ class PlanBank:
 
 def search_plan(model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, mla_plan: MlaPlan, *, kv_budget: float,
                 context: int, other_mode: str = "reuse", refresh: int = 4, part_windows: int | None = None,
-                swa_pass: bool = False, keep_full: Iterable[int] = (),
+                swa_pass: bool = False, keep_full: Iterable[int] = (), lowrank_layers: Iterable[int] = (),
                 log: Callable[[str], None] = print) -> PlanSearchResult:
     """Greedy plan search (module docstring) down to ``kv_budget`` elements per token at
     ``context`` tokens, every part fitted with the settings of ``plan`` / ``mla_plan`` (see
     :class:`PlanBank`). Layers in ``keep_full`` are never demoted (e.g. the retrieval layers of
     :func:`~hf_csa2.metrics.retrieval_layers.scan_retrieval_layers`, which calibration loss does
-    not see). Also scores the uniform plan with as many full layers as the chosen one; with
-    ``swa_pass``, then tries the chosen plan's readers as ``swa`` (:meth:`PlanBank.swa_pass`)."""
+    not see). Layers in ``lowrank_layers`` are ``lowrank`` in every plan (own keys and values as
+    rank-r codes: for retrieval layers, which reuse cannot serve) and never full. Also scores the
+    uniform plan with as many full layers as the chosen one; with ``swa_pass``, then tries the
+    chosen plan's readers as ``swa`` (:meth:`PlanBank.swa_pass`)."""
     dense_specs = dense_layer_specs(model)
     n = len(dense_specs)
-    keep_full = sorted(set(keep_full))
-    if any(not 0 <= i < n for i in keep_full):
-        raise InputError(f"layers to keep full {keep_full}; allowed: layer indices 0..{n - 1}")
+    keep_full, lowrank_layers = sorted(set(keep_full)), sorted(set(lowrank_layers))
+    for name, layers in (("to keep full", keep_full), ("to make lowrank", lowrank_layers)):
+        if any(not 0 <= i < n for i in layers):
+            raise InputError(f"layers {name} {layers}; allowed: layer indices 0..{n - 1}")
+    if set(keep_full) & set(lowrank_layers):
+        raise InputError(f"layers {sorted(set(keep_full) & set(lowrank_layers))} are asked to stay full and to be "
+                         "lowrank; allowed: one mode per layer")
     base = model.config.to_base_config() if hasattr(model.config, "to_base_config") else model.config
     source_kv = config_kv_elements_at_context(base, context) / context
     swa_specs = csa2_layer_specs(dense_specs, dense_specs, ["swa"] * n, [None] * n, window=plan.window,
@@ -316,12 +336,12 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, m
         raise InputError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan (every layer swa with "
                          f"window {plan.window}: {floor:.1f} at a {context}-token context)")
     source_ppl = mean_nll(model, score)["ppl"]
-    bank = PlanBank(model, fit, score, plan, mla_plan, other_mode, log, part_windows)
-    least = bank.kv_elements_per_token(keep_full, context) if keep_full else floor
+    bank = PlanBank(model, fit, score, plan, mla_plan, other_mode, log, part_windows, lowrank_layers)
+    least = bank.kv_elements_per_token(keep_full, context) if keep_full or lowrank_layers else floor
     if least > kv_budget:
         raise InputError(f"KV budget {kv_budget:.1f} elements/token is below the cheapest plan that keeps layers "
-                         f"{keep_full} full ({least:.1f} at a {context}-token context); raise the budget or keep "
-                         "fewer layers full")
+                         f"{keep_full} full and {lowrank_layers} lowrank ({least:.1f} at a {context}-token context); "
+                         "raise the budget or keep fewer layers")
 
     def evaluate(full: tuple[int, ...]) -> float:
         ppl = bank.calib_ppl(full)
@@ -331,12 +351,14 @@ def search_plan(model, fit: torch.Tensor, score: torch.Tensor, plan: Csa2Plan, m
     def on_step(full: tuple[int, ...], ppl: float) -> None:
         log(f"step {n - len(full)}: full {list(full)} calib ppl {ppl:.3f} KV/token {bank.kv_elements_per_token(full, context):.1f}")
 
-    path = greedy_demotion(range(n), evaluate, lambda full: bank.kv_elements_per_token(full, context) <= kv_budget,
+    candidates = [i for i in range(n) if i not in lowrank_layers]
+    path = greedy_demotion(candidates, evaluate, lambda full: bank.kv_elements_per_token(full, context) <= kv_budget,
                            refresh=refresh, on_step=on_step, past_budget=True, keep=keep_full)
     points = [PlanPoint(list(f), bank.modes(f), bank.kv_elements_per_token(f, context), loss) for f, loss in path]
     result = PlanSearchResult(source_ppl=source_ppl, source_kv_elements_per_token=source_kv, context=context,
-                              budget=kv_budget, path=points, uniform=None, evaluations=0, kept_full=keep_full)
-    layers = uniform_full_layers(n, len(result.chosen.full_layers))
+                              budget=kv_budget, path=points, uniform=None, evaluations=0, kept_full=keep_full,
+                              lowrank_layers=lowrank_layers)
+    layers = [i for i in uniform_full_layers(n, len(result.chosen.full_layers)) if i not in lowrank_layers]
     if layers == result.chosen.full_layers:
         result.uniform = result.chosen
     elif layers:

@@ -295,3 +295,9 @@ def test_lowrank_ranks_are_checked_against_the_model():
                                               "lowrank_value_rank": 25}})
     with pytest.raises(PlanError, match=r"csa2.lowrank_value_rank=25 exceeds a layer's key/value width 24 .*allowed: 1..24"):
         plan.validate_for(tiny_model("llama").config)
+
+
+def test_lowrank_default_ranks_are_half_the_key_width_and_the_full_value_width():
+    _, model, _ = convert_tiny("llama", ["full", "lowrank"])
+    spec = model.config.attention_layers[1]
+    assert (spec["key_rank"], spec["value_rank"]) == (12, 24)  # 2 KV heads x 12

@@ -13,13 +13,16 @@ from hypothesis import strategies as st
 from tiny_models import VOCAB, save_tiny_source, tiny_model
 
 from hf_csa2.cli import main as cli_main
+from hf_csa2.metrics.kv_cache import config_kv_elements_at_context
+from hf_csa2.model.configuration_hf_csa2 import Csa2Config
 from hf_csa2.surgery.csa2 import apply_csa2
 from hf_csa2.surgery.plan import ConversionPlan, Csa2Plan, MlaPlan
 from hf_csa2.surgery.plan_search import (PlanBank, PlanPoint, greedy_demotion, pareto_envelope, parse_kv_budget,
                                          plan_modes, search_plan, uniform_full_layers)
 from hf_csa2.surgery.rebuild import to_csa2
 
-CSA2 = Csa2Plan(full_every=1, window=4, top_k=6, indexer_warmup_steps=2)  # the bank sets its own layer modes
+CSA2 = Csa2Plan(full_every=1, window=4, top_k=6, indexer_warmup_steps=2,  # the bank sets its own layer modes
+                lowrank_key_rank=8)  # values: the full width, 24
 MLA = MlaPlan(kv_lora_rank=8, qk_rope_head_dim=4)
 
 
@@ -246,6 +249,31 @@ def test_search_walks_down_to_the_budget():
                     log=lambda m: None)
 
 
+def test_lowrank_layers_stay_lowrank_on_every_step_and_count_in_the_budget():
+    torch.manual_seed(0)
+    src = tiny_model("llama", num_layers=5)
+    probe = PlanBank(src, windows(4), windows(2, seed=4), CSA2, MLA, lowrank_layers=[3])
+    assert probe.modes([0, 2]) == ["full", "reuse", "full", "lowrank", "reuse"]
+    # a lowrank layer caches its codes (8 + 24 wide) for every token; as a reader it would hold its last
+    # window - 1 = 3 tokens' exact keys and values (2 KV heads x 12, twice)
+    reader_specs = probe.plan_specs(["full", "reuse", "full", "reuse", "reuse"])
+    reader_kv = config_kv_elements_at_context(Csa2Config.from_base_config(probe.dense.config.to_base_config(),
+                                                                          reader_specs), 64) / 64
+    assert probe.kv_elements_per_token([0, 2], 64) == pytest.approx(reader_kv + 8 + 24 - 3 * 2 * 2 * 12 / 64)
+    budget = probe.kv_elements_per_token([0, 2], 64)
+    res = search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=budget, context=64,
+                      lowrank_layers=[3], log=lambda m: None)
+    assert res.lowrank_layers == [3] and all(p.modes[3] == "lowrank" and 3 not in p.full_layers for p in res.path)
+    assert len(res.path[0].full_layers) == 4 and res.chosen.kv_elements_per_token <= budget
+    assert res.uniform is None or 3 not in res.uniform.full_layers
+    with pytest.raises(ValueError, match=r"layers \[3\] are asked to stay full and to be lowrank"):
+        search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=budget, context=64, keep_full=[3],
+                    lowrank_layers=[3], log=lambda m: None)
+    with pytest.raises(ValueError, match=r"layers to make lowrank \[5\]; allowed: layer indices 0..4"):
+        search_plan(src, windows(4), windows(2, seed=4), CSA2, MLA, kv_budget=budget, context=64,
+                    lowrank_layers=[5], log=lambda m: None)
+
+
 def test_swa_pass_keeps_only_improving_swa_layers():
     torch.manual_seed(0)
     src = tiny_model("llama", num_layers=5)
@@ -260,7 +288,7 @@ def test_swa_pass_keeps_only_improving_swa_layers():
     assert out.calib_ppl <= start.calib_ppl
     assert out.calib_ppl == pytest.approx(bank.score_modes(out.modes), rel=1e-6)  # the kept plan really scores so
     assert sum("(kept)" in line for line in log) == sum(a != b for a, b in zip(start.modes, out.modes))
-    with pytest.raises(ValueError, match="allowed in this bank: full, swa, reuse"):
+    with pytest.raises(ValueError, match="allowed in this bank: full, swa, lowrank, reuse"):
         bank.install_modes(["swa", "full", "reindex", "full", "reuse"])
     # the keep rule, on a score where swa helps at layer 2 and hurts at layer 4
     bank.score_modes = lambda modes: 10.0 - (modes[2] == "swa") + (modes[4] == "swa")
@@ -294,9 +322,16 @@ def test_plan_cli_writes_a_plan_that_converts(tmp_path, capsys):
     assert "--kv-budget 'lots'" in capsys.readouterr().err
     for flag, value, message in (("--keep-full", "x", "--keep-full 'x'; allowed: comma-separated layer indices"),
                                  ("--keep-full", "9", "--keep-full 9; allowed: layer indices 0..3"),
-                                 ("--retrieval-drop", "0", "--retrieval-drop 0.0; allowed: a share in (0, 1]")):
+                                 ("--retrieval-drop", "0", "--retrieval-drop 0.0; allowed: a share in (0, 1]"),
+                                 ("--retrieval-mode", "dense", "--retrieval-mode: invalid choice: 'dense'")):
         assert cli_main(args[:-5] + ["--out", str(tmp_path / "y.yaml"), flag, value]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "y.yaml").exists()
+    # retrieval layers become lowrank by default: ranks wider than the source's keys are refused up front
+    wide = {**base, "csa2": {**base["csa2"], "lowrank_key_rank": 25}}
+    (tmp_path / "wide.yaml").write_text(yaml.safe_dump(wide))
+    assert cli_main(["plan", str(tmp_path / "src"), "--kv-budget", "1/3", "--plan", str(tmp_path / "wide.yaml"),
+                     "--out", str(tmp_path / "y.yaml"), "--context", "64"]) == 2
+    assert "csa2.lowrank_key_rank=25 exceeds the source's key/value width 24" in capsys.readouterr().err
     kept = tmp_path / "kept.yaml"
     assert cli_main(args[:-5] + ["--out", str(kept), "--keep-full", "3"]) == 0
     assert ConversionPlan.from_yaml(kept).csa2.layers[3] == "full"
