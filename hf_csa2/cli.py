@@ -528,9 +528,10 @@ def _export(args) -> int:
 
 def _plan(args) -> int:
     base = ConversionPlan.from_yaml(args.plan)
-    if base.csa2 is None:
-        raise PlanError(f"--plan {args.plan!r} has no csa2 section; the search keeps its window, top_k, reader and "
-                        "indexer settings and the mla section, and chooses csa2.layers")
+    if base.csa2 is None or base.mla is None:
+        raise PlanError(f"--plan {args.plan!r} has no {'csa2' if base.csa2 is None else 'mla'} section; the search "
+                        "keeps its window, top_k, reader and indexer settings and the mla section (it starts from "
+                        "every layer full), and chooses csa2.layers")
     other = base.csa2.other_mode if base.csa2.layers is None else "reuse"
     if base.csa2.layers is not None:
         _log("plan search: the base plan's csa2.layers are replaced; demoted layers become reuse "

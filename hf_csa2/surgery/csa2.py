@@ -423,7 +423,7 @@ class Csa2FitReport:
     plan: Csa2Plan
     modes: list[str]
     layers: list[Csa2LayerFit]
-    mla: MlaFitReport
+    mla: MlaFitReport | None  # None: no full layer (nothing took the MLA form)
 
     def stage_notes(self) -> dict:
         notes: dict = {"modes": "".join({"full": "F", "reindex": "R", "reuse": "U", "swa": "S", "lowrank": "L"}[m]
@@ -507,7 +507,7 @@ def _train_indexer(indexer, src, hidden, pe, keys, opts: Csa2FitOptions) -> dict
     return notes
 
 
-def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: torch.Tensor,
+def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan | None, *, windows: torch.Tensor,
                         sources: list[int | None] | None = None) -> tuple[Csa2ForCausalLM, MlaFitReport]:
     """The CSA2 model of ``plan`` before its readers/indexers are fitted: full layers in MLA
     form (:func:`apply_mla` with ``mla_plan`` on those layers only, fitted on ``windows``
@@ -521,7 +521,10 @@ def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: to
         raise ValueError(f"{len(modes)} layer modes for a model with {len(layers)} layers")
     sources = default_sources(modes) if sources is None else sources
     full_layers = [i for i, m in enumerate(modes) if m == "full"]
-    mla, mla_report = apply_mla(dense, mla_plan, windows=windows, only_layers=full_layers)
+    if full_layers:
+        mla, mla_report = apply_mla(dense, mla_plan, windows=windows, only_layers=full_layers)
+    else:  # no shared entries: nothing takes the MLA form (the plan needs no mla section)
+        mla, mla_report = dense, None
     d = attention_head_dim(dense.config)
     hq = dense.config.num_attention_heads
     groups = {mla.config.attention_layers[i]["num_key_value_heads"] for i in full_layers}
@@ -544,7 +547,7 @@ def as_dense_csa2(model):
 
 
 @torch.no_grad()
-def apply_csa2(model, plan: Csa2Plan, mla_plan: MlaPlan, *, windows: torch.Tensor,
+def apply_csa2(model, plan: Csa2Plan, mla_plan: MlaPlan | None, *, windows: torch.Tensor,
                sources: list[int | None] | None = None, calibrate_mass: bool = True,
                fit_read_path: str = "scores") -> tuple[Csa2ForCausalLM, Csa2FitReport]:
     """Rewrite ``model`` (native or hf_csa2 with dense layers) into the CSA2 layers of ``plan``

@@ -374,10 +374,10 @@ class ConversionPlan:
 
     def _validate_csa2(self) -> None:
         c = self.csa2
-        if self.mla is None:
-            raise PlanError("csa2 needs an mla section: full layers store MLA latent entries (kv_lora_rank, qk_rope_head_dim)")
         if (c.layers is None) == (c.full_every is None):
             raise PlanError("csa2 needs exactly one of layers (a mode per layer) or full_every (an integer >= 1)")
+        if self.mla is None and (c.layers is None or "full" in c.layers):
+            raise PlanError("csa2 needs an mla section: full layers store MLA latent entries (kv_lora_rank, qk_rope_head_dim)")
         if self.calibration.seq_len <= c.window:
             raise PlanError(
                 f"calibration.seq_len={self.calibration.seq_len} must exceed csa2.window={c.window}: readers, entry "

@@ -297,6 +297,19 @@ def test_lowrank_ranks_are_checked_against_the_model():
         plan.validate_for(tiny_model("llama").config)
 
 
+def test_a_plan_without_full_layers_needs_no_mla_section():
+    plan = ConversionPlan.from_dict({"csa2": {"layers": ["swa", "lowrank", "swa"], "window": 4},
+                                     "calibration": {"seq_len": 48}})
+    assert plan.mla is None
+    src = tiny_model("qwen3", num_layers=3)
+    model, report = apply_csa2(src, plan.csa2, None, windows=windows())
+    assert report.mla is None and report.stage_notes()["modes"] == "SLS"
+    assert [type(l.self_attn).__name__ for l in model.model.layers] == [
+        "Csa2ReaderAttention", "LowRankKVAttention", "Csa2ReaderAttention"]
+    with pytest.raises(PlanError, match="csa2 needs an mla section"):
+        ConversionPlan.from_dict({"csa2": {"layers": ["full", "lowrank"]}})
+
+
 def test_lowrank_default_ranks_are_half_the_key_width_and_the_full_value_width():
     _, model, _ = convert_tiny("llama", ["full", "lowrank"])
     spec = model.config.attention_layers[1]

@@ -327,6 +327,11 @@ def test_plan_cli_writes_a_plan_that_converts(tmp_path, capsys):
         assert cli_main(args[:-5] + ["--out", str(tmp_path / "y.yaml"), flag, value]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "y.yaml").exists()
     # retrieval layers become lowrank by default: ranks wider than the source's keys are refused up front
+    no_mla = {"csa2": {"layers": ["swa", "lowrank", "swa", "swa"], "window": 4}, "calibration": base["calibration"]}
+    (tmp_path / "no_mla.yaml").write_text(yaml.safe_dump(no_mla))
+    assert cli_main(["plan", str(tmp_path / "src"), "--kv-budget", "1/3", "--plan", str(tmp_path / "no_mla.yaml"),
+                     "--out", str(tmp_path / "y.yaml")]) == 2
+    assert "has no mla section" in capsys.readouterr().err
     wide = {**base, "csa2": {**base["csa2"], "lowrank_key_rank": 25}}
     (tmp_path / "wide.yaml").write_text(yaml.safe_dump(wide))
     assert cli_main(["plan", str(tmp_path / "src"), "--kv-budget", "1/3", "--plan", str(tmp_path / "wide.yaml"),
