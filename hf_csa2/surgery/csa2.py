@@ -410,9 +410,10 @@ class Csa2LayerFit:
 
 
 #: Csa2LayerFit fields the stage report averages over the layers that have them
-_AVERAGED = ("reader_key_rel_err", "reader_value_rel_err", "lowrank_key_rel_err", "lowrank_value_rel_err", "top_k_recall_init", "top_k_recall", "index_kl_before",
-             "index_kl_after", "entry_share_before", "entry_share_after", "entry_share_target", "entry_bias_offset",
-             "entry_heads_off", "readout_rel_err_share", "readout_rel_err")
+_AVERAGED = ("reader_key_rel_err", "reader_value_rel_err", "lowrank_key_rel_err", "lowrank_value_rel_err",
+             "top_k_recall_init", "top_k_recall", "index_kl_before", "index_kl_after", "entry_share_before",
+             "entry_share_after", "entry_share_target", "entry_bias_offset", "entry_heads_off", "readout_rel_err_share",
+             "readout_rel_err")
 
 
 @dataclass
