@@ -175,8 +175,8 @@ MLA_REMOVED_FIELDS = {
 
 @dataclass(config=_CONFIG)
 class Csa2Plan:
-    """Rewrite the model into CSA2 shared-KV sparse layers (needs the ``mla`` section: it says
-    how full layers build their shared latent entries).
+    """Rewrite the model into CSA2 shared-KV sparse layers (needs the ``mla`` section when a layer
+    is full: it says how full layers build their shared latent entries).
 
     The layer plan is either ``layers`` (one mode per layer: full, reindex, reuse, swa, lowrank) or
     ``full_every: k`` (full at layers 0, k, 2k, ... and ``other_mode`` elsewhere). Reindex
