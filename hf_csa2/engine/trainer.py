@@ -46,21 +46,27 @@ def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, tempera
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, input_ids: torch.Tensor,
-                      kind: str = "kd", temperature: float = 1.0, lm_weight: float = 0.5) -> torch.Tensor:
+                      kind: str = "kd", temperature: float = 1.0, lm_weight: float = 0.5,
+                      positions: torch.Tensor | None = None) -> torch.Tensor:
     """Mean per-token loss of next-token predictions; logits ``[B, T, V]``, ``input_ids`` ``[B, T]``.
 
     ``kd``: :func:`token_kl` at ``temperature`` over positions 0..T-2 (those that predict a token
     of the window, as in the LM loss); ``lm``: cross-entropy on ``input_ids[:, 1:]``; ``kd+lm``:
-    ``(1 - lm_weight) * kd + lm_weight * lm``.
+    ``(1 - lm_weight) * kd + lm_weight * lm``. With ``positions`` (``[N]``, each < T-1) the logits
+    are ``[B, N, V]``, taken at those positions only (``logits_to_keep=positions``), and the LM
+    targets are the tokens after them.
     """
     if kind not in LOSSES:
         raise ValueError(f"loss kind={kind!r}; allowed: {', '.join(LOSSES)}")
-    s = student_logits[:, :-1]
+    if positions is None:
+        s, t, targets = student_logits[:, :-1], None if teacher_logits is None else teacher_logits[:, :-1], input_ids[:, 1:]
+    else:
+        s, t, targets = student_logits, teacher_logits, input_ids[:, positions + 1]
     terms = {}
     if kind in ("kd", "kd+lm"):
-        terms["kd"] = token_kl(teacher_logits[:, :-1], s, temperature)
+        terms["kd"] = token_kl(t, s, temperature)
     if kind in ("lm", "kd+lm"):
-        terms["lm"] = F.cross_entropy(s.float().reshape(-1, s.shape[-1]), input_ids[:, 1:].reshape(-1))
+        terms["lm"] = F.cross_entropy(s.float().reshape(-1, s.shape[-1]), targets.reshape(-1))
     if kind == "kd+lm":
         return (1 - lm_weight) * terms["kd"] + lm_weight * terms["lm"]
     return terms[kind]
@@ -156,10 +162,16 @@ class DistillationTrainer(Trainer):
     indexer loss with ``indexer_weight`` (0: the indexers stay as they are). Indexers get no other
     gradient, so under AdamW their step size is ``indexer_lr`` (None: the run's rate), whatever the
     weight; the weight sets the indexer loss's share of the gradient norm that clipping bounds.
+
+    ``positions``: score the loss on that many positions per block, drawn anew for every
+    micro-batch (torch's global generator, which checkpoints restore); teacher and student compute
+    logits there only (``logits_to_keep``). An unbiased estimate of the all-position loss at a
+    fraction of the output head's and the KL's cost (None: every position).
     """
 
     def __init__(self, *args, teacher, held_out: dict[str, torch.Tensor], loss: str = "kd",
-                 temperature: float = 1.0, lm_weight: float = 0.5, adapter_extras: list[str] = (),
+                 temperature: float = 1.0, lm_weight: float = 0.5, positions: int | None = None,
+                 adapter_extras: list[str] = (),
                  evaluate_at_start: bool = True, indexer=None, indexer_steps: int = 0,
                  indexer_weight: float = 0.0, indexer_lr: float | None = None, probes: dict[str, list] | None = None,
                  **kwargs):
@@ -168,6 +180,7 @@ class DistillationTrainer(Trainer):
         for p in self.teacher.parameters():
             p.requires_grad_(False)
         self.loss_kind, self.temperature, self.lm_weight = loss, temperature, lm_weight
+        self.positions = positions
         self.indexer, self.indexer_steps, self.indexer_weight = indexer, indexer_steps, indexer_weight
         self.indexer_lr = indexer_lr
         self._index_sum, self._index_count = 0.0, 0  # the indexer loss since the last log line
@@ -189,19 +202,22 @@ class DistillationTrainer(Trainer):
         alone = self.in_indexer_phase()
         index = self.indexer is not None and (alone or self.indexer_weight > 0)
         teacher_logits = None
+        scored = self.scored_positions(ids.shape[1], ids.device)
+        keep = {} if scored is None else {"logits_to_keep": scored}
         if alone:  # the teacher's layers give the targets; its logits are not needed
             with torch.no_grad(), self.indexer.teacher_targets():
                 self.teacher.model(input_ids=ids, use_cache=False)
         elif index or self.loss_kind != "lm":
             with torch.no_grad(), self.indexer.teacher_targets() if index else nullcontext():
-                teacher_logits = self.teacher(input_ids=ids, use_cache=False).logits
+                teacher_logits = self.teacher(input_ids=ids, use_cache=False, **keep).logits
         with self.indexer.active() if index else nullcontext(), \
                 training_only(model, self.indexer.parameters()) if alone else nullcontext():
-            out = model(input_ids=ids, use_cache=False)
+            out = model(input_ids=ids, use_cache=False, **({} if alone else keep))
         if alone:
             loss = out[INDEX_LOSS]
         else:
-            loss = distillation_loss(out.logits, teacher_logits, ids, self.loss_kind, self.temperature, self.lm_weight)
+            loss = distillation_loss(out.logits, teacher_logits, ids, self.loss_kind, self.temperature, self.lm_weight,
+                                     positions=scored)
             if index:
                 loss = loss + self.indexer_weight * out[INDEX_LOSS]
         if index:
@@ -211,6 +227,13 @@ class DistillationTrainer(Trainer):
             raise FloatingPointError(f"training loss is {loss.item()} at step {self.state.global_step + 1}; "
                                      f"lower the learning rate (now {self.args.learning_rate})")
         return (loss, out) if return_outputs else loss
+
+    def scored_positions(self, length: int, device) -> torch.Tensor | None:
+        """Sorted positions ``[positions]`` of a ``length``-token block the loss is scored on (each
+        predicts a token of the block); None: all of them."""
+        if self.positions is None or self.positions >= length - 1:
+            return None
+        return torch.randperm(length - 1)[: self.positions].sort().values.to(device)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Training log lines also carry ``index_kl``, the mean indexer loss since the last line."""

@@ -87,6 +87,11 @@ class LossSpec:
     kind: Annotated[Literal[LOSSES], doc("kd, kd+lm or lm")] = "kd"
     temperature: Annotated[number_in(100.0), doc("softmax temperature of both distributions in kd")] = 1.0
     lm_weight: Annotated[number_in(1.0, positive=False), doc("weight of the lm term in kd+lm")] = 0.5
+    positions: Annotated[Optional[int_in(1, MAX_SEQ)], doc(
+        "score the loss on this many positions per block, drawn at random for every micro-batch, teacher and "
+        "student computing logits there only (null: every position). An unbiased estimate of the full loss "
+        "that saves most of the output head's and the KL's cost: with a 262K vocabulary (Gemma-3) they are "
+        "a large share of a step; must be less than data.seq_len - 1")] = None
     indexer_steps: Annotated[int_in(0, MAX_STEPS), doc(
         "CSA2: first optimizer steps that train only the indexers, on the indexer loss (counted in steps)")] = 0
     indexer_weight: Annotated[number_in(100.0, positive=False), doc(
@@ -109,6 +114,9 @@ class PeftSpec:
     dropout: Annotated[number_in(0.99, positive=False), doc("LoRA dropout")] = 0.0
     target_modules: Annotated[Optional[list[Text]], Field(min_length=1), doc(
         "module name suffixes LoRA wraps (null: every linear layer inside self_attn that the teacher also has)")] = None
+    layers: Annotated[Optional[list[int_in(0, 1 << 16)]], Field(min_length=1), doc(
+        "decoder layer indices LoRA wraps (peft's layers_to_transform; null: every layer). Leaving out the "
+        "layers before the first converted one also spares the backward pass through them")] = None
     train_surgery_parameters: Annotated[Bool, doc("train the surgery-created parameters in full beside LoRA")] = True
 
 
@@ -193,6 +201,10 @@ class Recipe:
         if recipe.plan_set and recipe.plan is None:
             raise RecipeError(f"recipe.plan_set={recipe.plan_set} needs recipe.plan (the plan it changes); "
                               "set plan, or drop plan_set")
+        if recipe.loss.positions is not None and recipe.loss.positions >= recipe.data.seq_len - 1:
+            raise RecipeError(f"recipe.loss.positions={recipe.loss.positions} must be less than data.seq_len - 1 = "
+                              f"{recipe.data.seq_len - 1} (the positions that predict a token of a block); "
+                              "null scores every position")
         if recipe.loss.indexer_steps >= recipe.steps:
             raise RecipeError(f"recipe.loss.indexer_steps={recipe.loss.indexer_steps} must be less than "
                               f"recipe.steps={recipe.steps} (the indexer steps come first, then the distillation)")

@@ -183,7 +183,7 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
         eval_dataset=datasets.Dataset.from_dict({"input_ids": next(iter(held_out.values())).tolist()}),
         data_collator=default_data_collator, processing_class=tokenizer,
         teacher=teacher, held_out=held_out, loss=recipe.loss.kind, temperature=recipe.loss.temperature,
-        lm_weight=recipe.loss.lm_weight, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
+        lm_weight=recipe.loss.lm_weight, positions=recipe.loss.positions, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
         indexer_weight=recipe.loss.indexer_weight, indexer_lr=recipe.optim.indexer_lr, probes=probes,
         adapter_extras=full_names if recipe.peft is not None else [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import TrainingArguments, set_seed
 
 from ..engine.trainer import layout_zeros, trainable_parameters, trainer_arguments
-from .recipe import PeftSpec, Recipe
+from .recipe import PeftSpec, Recipe, RecipeError
 
 
 def surgery_parameter_names(student: torch.nn.Module, teacher: torch.nn.Module) -> list[str]:
@@ -54,6 +54,8 @@ def _with_lora(student, spec: PeftSpec, surgery: list[str], seed: int):
     if not targets:
         raise ValueError("no linear layer inside self_attn is shared with the teacher; set peft.target_modules "
                          "or peft: null (train the attention in full)")
+    if spec.layers is not None:
+        targets = in_layers(student, targets, spec.layers)
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
                         bias="none", task_type="CAUSAL_LM")
     set_seed(seed)  # LoRA's A matrices are drawn here: the same recipe gives the same adapter in every process
@@ -71,6 +73,22 @@ def _with_lora(student, spec: PeftSpec, surgery: list[str], seed: int):
     return model, full
 
 
+def in_layers(student: torch.nn.Module, targets: list[str], layers: list[int]) -> list[str]:
+    """Full names of the modules named by ``targets`` (full names or name suffixes, as PEFT matches
+    them) inside decoder layers ``layers``. (PEFT's ``layers_to_transform`` does not apply to targets
+    given by full name, so the layers are chosen here.)"""
+    count = len(student.model.layers)
+    if max(layers) >= count:
+        raise RecipeError(f"recipe.peft.layers={layers}: the student has {count} decoder layers (0..{count - 1})")
+    chosen = {f"model.layers.{i}." for i in layers}
+    names = [name for name, _ in student.named_modules()
+             if any(name == t or name.endswith(f".{t}") for t in targets) and any(c in f"{name}." for c in chosen)]
+    if not names:
+        raise RecipeError(f"recipe.peft.layers={layers}: none of the LoRA targets ({', '.join(targets)}) is in "
+                          "those layers")
+    return names
+
+
 def training_arguments(recipe: Recipe, output_dir: str | Path) -> TrainingArguments:
     """transformers ``TrainingArguments`` mirroring the recipe."""
     return trainer_arguments(
@@ -80,4 +98,4 @@ def training_arguments(recipe: Recipe, output_dir: str | Path) -> TrainingArgume
         eval_every=recipe.eval.every, save_every=recipe.save.every, save_keep=recipe.save.keep, seed=recipe.seed)
 
 
-__all__ = ["default_lora_targets", "prepare_student", "surgery_parameter_names", "training_arguments"]
+__all__ = ["default_lora_targets", "in_layers", "prepare_student", "surgery_parameter_names", "training_arguments"]

@@ -30,6 +30,9 @@ def test_peft_null_trains_modules_directly():
     (["student=x", "peft.dropout=1.5"], ["peft.dropout=1.5", "<= 0.99"]),
     (["student=x", "optim=3"], ["optim=3", "not a mapping"]),
     (["student=x", "optim.lr"], ["--set 'optim.lr'", "FIELD=VALUE"]),
+    (["student=x", "loss.positions=511"], ["loss.positions=511", "less than data.seq_len - 1 = 511"]),
+    (["student=x", "peft.layers=[]"], ["peft.layers", "at least 1"]),
+    (["student=x", "peft.layers=[-1]"], ["peft.layers[0]=-1", "greater than or equal to 0"]),
 ])
 def test_bad_fields_name_the_field_and_what_is_allowed(sets, words):
     with pytest.raises(RecipeError) as err:

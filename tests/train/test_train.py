@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from peft import PeftModel
@@ -77,6 +78,68 @@ def test_distillation_loss_matches_its_definition():
     kd1 = distillation_loss(s, t, ids, "kd")
     torch.testing.assert_close(mixed, 0.75 * kd1 + 0.25 * ce)
     assert distillation_loss(t, t, ids, "kd").abs() < 1e-6 < kl
+
+
+def test_distillation_loss_on_chosen_positions_is_the_loss_there():
+    """positions: logits taken at those positions only; the same terms as the full loss restricted to
+    them, and all positions 0..T-2 give the full loss."""
+    torch.manual_seed(1)
+    s, t = torch.randn(2, 9, 13), torch.randn(2, 9, 13)
+    ids = torch.randint(0, 13, (2, 9))
+    idx = torch.tensor([0, 3, 4, 7])
+    p_t = F.softmax(t[:, idx], -1)
+    kl = (p_t * (p_t.log() - F.log_softmax(s[:, idx], -1))).sum(-1).mean()
+    ce = F.cross_entropy(s[:, idx].reshape(-1, 13), ids[:, idx + 1].reshape(-1))
+    torch.testing.assert_close(distillation_loss(s[:, idx], t[:, idx], ids, "kd", positions=idx), kl)
+    torch.testing.assert_close(distillation_loss(s[:, idx], None, ids, "lm", positions=idx), ce)
+    every = torch.arange(8)
+    for kind in ("kd", "lm", "kd+lm"):
+        torch.testing.assert_close(distillation_loss(s[:, every], t[:, every], ids, kind, positions=every),
+                                   distillation_loss(s, t, ids, kind))
+
+
+def test_loss_positions_score_a_fresh_draw_of_positions_with_logits_there_only(work, tmp_path):
+    """loss.positions: teacher and student compute logits at N positions of each block (sorted,
+    distinct, each predicting a token of the block), drawn anew for each micro-batch."""
+    from hf_csa2.engine.trainer import DistillationTrainer
+    from hf_csa2.train.trainer import prepare_student, training_arguments
+
+    recipe = load_recipe(None, recipe_sets(work, "mla", "loss.positions=8"))
+    teacher = load_source(work / "src").model
+    model, _ = prepare_student(load_source(work / "mla").model, teacher, recipe)
+    trainer = DistillationTrainer(model=model, args=training_arguments(recipe, tmp_path), teacher=teacher,
+                                  eval_dataset=datasets.Dataset.from_dict({"input_ids": [[1, 2]]}),
+                                  held_out={}, positions=recipe.loss.positions, evaluate_at_start=False)
+    seen = {}
+    for name, m in (("teacher", teacher), ("student", model.get_base_model())):
+        m.lm_head.register_forward_hook(lambda mod, args, out, name=name: seen.setdefault(name, []).append(out.shape))
+    ids = torch.randint(4, 100, (2, 64))
+    draws = [trainer.scored_positions(64, "cpu") for _ in range(2)]
+    for d in draws:
+        assert len(d) == 8 == len(set(d.tolist())) and torch.equal(d, d.sort().values) and int(d.max()) < 63
+    assert not torch.equal(draws[0], draws[1])
+    torch.manual_seed(5)
+    loss = trainer.compute_loss(model, {"input_ids": ids})
+    torch.manual_seed(5)
+    idx = trainer.scored_positions(64, "cpu")
+    assert seen["teacher"][-1][:2] == seen["student"][-1][:2] == (2, 8)
+    with torch.no_grad():
+        expect = distillation_loss(model(input_ids=ids).logits[:, idx], teacher(input_ids=ids).logits[:, idx], ids, "kd",
+                                   positions=idx)
+    torch.testing.assert_close(loss.detach(), expect)
+
+
+def test_peft_layers_restrict_lora_to_those_layers(work, tmp_path):
+    report = run_recipe(load_recipe(None, recipe_sets(work, "mla", "steps=2", "peft.layers=[1]", "loss.positions=16")),
+                        tmp_path / "out", log=lambda m: None)
+    from safetensors.torch import load_file
+
+    lora = [k for k in load_file(str(tmp_path / "out" / "adapter" / "adapter_model.safetensors")) if "lora_" in k]
+    assert lora and all(".layers.1." in k for k in lora), lora
+    assert sorted(losses(report)) == [1, 2]
+    with pytest.raises(Exception, match=r"peft.layers=\[5\]: the student has 2 decoder layers"):
+        run_recipe(load_recipe(None, recipe_sets(work, "mla", "peft.layers=[5]")), tmp_path / "out5", log=lambda m: None)
+    assert not (tmp_path / "out5").exists()
 
 
 def test_surgery_parameters_are_the_created_or_reshaped_ones(work):
