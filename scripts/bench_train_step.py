@@ -34,6 +34,7 @@ def build(recipe_path: str, student: str, sets: list[str], teacher, out: str):
         model=model, args=training_arguments(recipe, out), teacher=teacher, held_out={},
         eval_dataset=datasets.Dataset.from_dict({"input_ids": [[1, 2]]}), loss=recipe.loss.kind,
         positions=recipe.loss.positions, evaluate_at_start=False)
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's own loop, which this bench does not run
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return recipe, trainer, trainable
 
