@@ -119,7 +119,8 @@ def sparse_sink_attention(
 
         query_block: queries processed together; rows are independent, so blocks only bound
             the memory of the gathered entries (O(block * N * D)).
-        path: ``"auto"`` (:func:`auto_read_path`), ``"gather"`` (the reference: gather the selected entries), ``"scores"`` (full
+        path: ``"auto"`` (:func:`auto_read_path`, per query block, on the store cut to the block's
+            reads: :func:`crop_to_reads`), ``"gather"`` (the reference: gather the selected entries), ``"scores"`` (full
             logits then pick; see the module docstring) or ``"triton"`` (the fused kernel,
             :mod:`hf_csa2.kernels.sparse_read`, tested against this function; weights, when
             asked for, still come from "gather").
@@ -130,25 +131,43 @@ def sparse_sink_attention(
     """
     if path not in READ_PATHS:
         raise ValueError(f"path={path!r}; allowed: {', '.join(READ_PATHS)}")
-    if path == "auto":
-        device = segments[0].query.device
-        path = auto_read_path(device, device.type == "cuda" and _fused_read_runs(),
-                              store_rows=max(s.keys.shape[1] for s in segments),
-                              index_width=sum(s.index.shape[-1] for s in segments))
+    device = segments[0].query.device
+    if path == "auto" and device.type == "cuda" and _fused_read_runs():
+        path = "triton"
     if path == "triton":
         if not return_weights:
             return _triton_read()(segments, scaling=scaling, sinks=sinks)
         path = "gather"  # the kernel never forms the weights
     t = segments[0].query.shape[1]
-    if t > query_block:
-        parts = [
-            _sparse_block([SparseSegment(s.query[:, i : i + query_block], s.keys, s.values, s.index[:, i : i + query_block])
-                           for s in segments], scaling, sinks, return_weights, path)
-            for i in range(0, t, query_block)
-        ]
-        outputs = [torch.cat([p[0][k] for p in parts], dim=1) for k in range(len(segments))]
-        return outputs, (torch.cat([p[1] for p in parts], dim=1) if return_weights else None)
-    return _sparse_block(segments, scaling, sinks, return_weights, path)
+    parts = []
+    for i in range(0, t, query_block):
+        block = [SparseSegment(s.query[:, i : i + query_block], s.keys, s.values, s.index[:, i : i + query_block])
+                 for s in segments] if t > query_block else segments
+        if path != "gather":  # a block's reads often span a short run of the store (a window)
+            block = [crop_to_reads(s) for s in block]
+        block_path = path if path != "auto" else auto_read_path(
+            device, False, store_rows=max(s.keys.shape[1] for s in block),
+            index_width=sum(s.index.shape[-1] for s in block))
+        parts.append(_sparse_block(block, scaling, sinks, return_weights, block_path))
+    if len(parts) == 1:
+        return parts[0]
+    outputs = [torch.cat([p[0][k] for p in parts], dim=1) for k in range(len(segments))]
+    return outputs, (torch.cat([p[1] for p in parts], dim=1) if return_weights else None)
+
+
+def crop_to_reads(segment: SparseSegment) -> SparseSegment:
+    """The same read over a shorter store: keys/values cut to the rows from the first to the last
+    one ``segment.index`` names, the index shifted to match (-1 stays -1). On a long prefill a
+    block of queries that reads only its window touches ``block + window`` rows, which makes the
+    ``scores`` path's matmul as cheap as the read itself."""
+    real = segment.index[segment.index >= 0]
+    if real.numel() == 0:
+        return SparseSegment(segment.query, segment.keys[:, :1], segment.values[:, :1], segment.index)
+    lo, hi = int(real.min()), int(real.max()) + 1
+    if lo == 0 and hi == segment.keys.shape[1]:
+        return segment
+    index = torch.where(segment.index >= 0, segment.index - lo, segment.index)
+    return SparseSegment(segment.query, segment.keys[:, lo:hi], segment.values[:, lo:hi], index)
 
 
 SCORES_STORE_FACTOR = 4  # "auto" reads through "scores" when a store has at most this many rows per index entry

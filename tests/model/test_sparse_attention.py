@@ -15,7 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_csa2.model.sparse_attention import TORCH_READ_PATHS, SparseSegment, sparse_sink_attention, window_index
+from hf_csa2.model import sparse_attention
+from hf_csa2.model.sparse_attention import (TORCH_READ_PATHS, SparseSegment, crop_to_reads, sparse_sink_attention,
+                                             window_index)
 
 
 def random_index(b, t, n, s, seed, empty_rows=True):
@@ -223,3 +225,49 @@ def test_read_paths_agree_with_repeated_indices():
 def test_unknown_read_path_is_refused():
     with pytest.raises(ValueError, match="path='dense'; allowed: auto, gather, scores, triton"):
         sparse_sink_attention(make_segments(), scaling=0.4, path="dense")
+
+
+def window_segments(t=40, window=6, dtype=torch.float64):
+    """A prefill of ``t`` queries that read only their last ``window`` positions of a ``t``-row store."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, t, 4, d, generator=g, dtype=dtype) if i == 0 else torch.randn(1, t, 2, d, generator=g,
+               dtype=dtype) for i, d in enumerate((8, 8, 5)))
+    return [SparseSegment(q, k, v, window_index(torch.arange(t), window)[None])]
+
+
+def test_crop_keeps_only_the_rows_a_block_reads():
+    (seg,) = window_segments()
+    block = SparseSegment(seg.query[:, 20:30], seg.keys, seg.values, seg.index[:, 20:30])
+    cropped = crop_to_reads(block)
+    assert cropped.keys.shape[1] == 10 + 6 - 1  # positions 15..29
+    assert torch.equal(cropped.keys, seg.keys[:, 15:30]) and torch.equal(cropped.values, seg.values[:, 15:30])
+    assert torch.equal(cropped.index + 15, block.index)
+    first = crop_to_reads(SparseSegment(seg.query[:, :3], seg.keys, seg.values, seg.index[:, :3]))
+    assert first.keys.shape[1] == 3 and (first.index == -1).sum() == 5 + 4 + 3  # -1 (before the start) stays -1
+    empty = SparseSegment(seg.query[:, :1], seg.keys, seg.values, torch.full((1, 1, 6), -1))
+    assert crop_to_reads(empty).keys.shape[1] == 1
+
+
+@pytest.mark.parametrize("path", ["auto", "scores"])
+def test_windowed_prefill_in_blocks_reads_cropped_stores_and_matches_the_oracle(path, monkeypatch):
+    segments = window_segments()
+    for x in (segments[0].query, segments[0].keys, segments[0].values):
+        x.requires_grad_(True)
+    sinks = torch.tensor([0.3, -2.0, 1.5, 0.0], dtype=torch.float64)
+    seen = []
+    block_read = sparse_attention._sparse_block
+
+    def spy(block, *args):
+        seen.append((args[-1], block[0].keys.shape[1]))
+        return block_read(block, *args)
+
+    monkeypatch.setattr(sparse_attention, "_sparse_block", spy)
+    (out,), _ = sparse_sink_attention(segments, scaling=0.4, sinks=sinks, query_block=8, path=path)
+    # each block of 8 queries reads at most 8 + 6 - 1 rows of the 40, so "auto" takes the one-matmul path
+    assert seen == [("scores", 8)] + [("scores", 13)] * 4
+    (want,) = dense_oracle(segments, 0.4, sinks)
+    assert (out - want).abs().max() <= 1e-12
+    grads = torch.autograd.grad(out.sum(), [segments[0].query, segments[0].keys, segments[0].values])
+    want_grads = torch.autograd.grad(want.sum(), [segments[0].query, segments[0].keys, segments[0].values])
+    for a, b in zip(grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-10)
