@@ -1,9 +1,11 @@
 """Time one sparse read (forward + backward) through the torch read paths on this machine.
 
-    python scripts/bench_read_paths.py [--batch 4] [--tokens 512] [--heads 9] [--entries 384]
+    python scripts/bench_read_paths.py [--batch 4] [--tokens 512] [--heads 9] [--entries 384] [--window-only]
 
 One segment shaped like a CSA2 full layer's latent read in training: ``--tokens`` queries and store
 rows, ``--entries`` selected per query (Top-K + window), a shared 208-wide key and 144-wide value.
+``--window-only``: each query reads only its last ``--entries`` positions (a sliding layer's prefill,
+e.g. ``--tokens 4096 --entries 512``), where ``auto`` reads each 512-query block's stretch of the store.
 Prints the median of ``--repeats`` runs per path; run it alone (the timing is the machine's).
 """
 
@@ -13,7 +15,7 @@ import time
 
 import torch
 
-from hf_csa2.model.sparse_attention import SparseSegment, auto_read_path, sparse_sink_attention
+from hf_csa2.model.sparse_attention import SparseSegment, sparse_sink_attention, window_index
 
 
 def main() -> None:
@@ -23,16 +25,19 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--entries", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--window-only", action="store_true", help="each query reads its last --entries positions")
     args = parser.parse_args()
     g = torch.Generator().manual_seed(0)
     b, t, h, n = args.batch, args.tokens, args.heads, args.entries
     q = torch.randn(b, t, h, 208, generator=g, requires_grad=True)
     k = torch.randn(b, t, 1, 208, generator=g, requires_grad=True)
     v = torch.randn(b, t, 1, 144, generator=g, requires_grad=True)
-    index = torch.randint(0, t, (b, t, n), generator=g)
-    index = torch.where(index <= torch.arange(t)[None, :, None], index, -1)  # causal; -1 = no entry
-    print(f"auto on CPU picks: {auto_read_path(torch.device('cpu'), False, store_rows=t, index_width=n)}")
-    for path in ("gather", "scores"):
+    if args.window_only:
+        index = window_index(torch.arange(t), n)[None].expand(b, t, n)
+    else:
+        index = torch.randint(0, t, (b, t, n), generator=g)
+        index = torch.where(index <= torch.arange(t)[None, :, None], index, -1)  # causal; -1 = no entry
+    for path in ("gather", "scores", "auto"):
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()

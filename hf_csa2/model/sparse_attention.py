@@ -156,18 +156,25 @@ def sparse_sink_attention(
 
 
 def crop_to_reads(segment: SparseSegment) -> SparseSegment:
-    """The same read over a shorter store: keys/values cut to the rows from the first to the last
-    one ``segment.index`` names, the index shifted to match (-1 stays -1). On a long prefill a
-    block of queries that reads only its window touches ``block + window`` rows, which makes the
-    ``scores`` path's matmul as cheap as the read itself."""
-    real = segment.index[segment.index >= 0]
-    if real.numel() == 0:
+    """The same read over a shorter store: keys/values cut to the rows ``segment.index`` names
+    (in store order: a slice when they are one run), the index renumbered to match (-1 stays -1).
+    On a long prefill a block of queries that reads its window (and a few first tokens kept as
+    attention sinks) touches about ``block + window`` rows, however long the prompt, which makes
+    the ``scores`` path's matmul as cheap as the read itself."""
+    real = segment.index >= 0
+    rows = torch.unique(segment.index[real])  # sorted
+    if rows.numel() == 0:
         return SparseSegment(segment.query, segment.keys[:, :1], segment.values[:, :1], segment.index)
-    lo, hi = int(real.min()), int(real.max()) + 1
-    if lo == 0 and hi == segment.keys.shape[1]:
+    if rows.numel() == segment.keys.shape[1]:
         return segment
-    index = torch.where(segment.index >= 0, segment.index - lo, segment.index)
-    return SparseSegment(segment.query, segment.keys[:, lo:hi], segment.values[:, lo:hi], index)
+    lo, hi = int(rows[0]), int(rows[-1]) + 1
+    if hi - lo == rows.numel():  # one run of rows: a view
+        keys, values = segment.keys[:, lo:hi], segment.values[:, lo:hi]
+        index = segment.index - lo
+    else:
+        keys, values = segment.keys.index_select(1, rows), segment.values.index_select(1, rows)
+        index = torch.searchsorted(rows, segment.index.clamp(min=0))
+    return SparseSegment(segment.query, keys, values, torch.where(real, index, segment.index))
 
 
 SCORES_STORE_FACTOR = 4  # "auto" reads through "scores" when a store has at most this many rows per index entry

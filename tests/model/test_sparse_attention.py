@@ -227,12 +227,17 @@ def test_unknown_read_path_is_refused():
         sparse_sink_attention(make_segments(), scaling=0.4, path="dense")
 
 
-def window_segments(t=40, window=6, dtype=torch.float64):
-    """A prefill of ``t`` queries that read only their last ``window`` positions of a ``t``-row store."""
+def window_segments(t=40, window=6, first=0, dtype=torch.float64):
+    """A prefill of ``t`` queries that read only their last ``window`` positions of a ``t``-row store
+    (and its ``first`` rows, where the window does not hold them: attention sinks)."""
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, t, 4, d, generator=g, dtype=dtype) if i == 0 else torch.randn(1, t, 2, d, generator=g,
                dtype=dtype) for i, d in enumerate((8, 8, 5)))
-    return [SparseSegment(q, k, v, window_index(torch.arange(t), window)[None])]
+    positions = torch.arange(t)
+    index = window_index(positions, window)
+    sinks = torch.arange(first).expand(t, first)
+    index = torch.cat([torch.where(sinks <= positions[:, None] - window, sinks, -1), index], -1)
+    return [SparseSegment(q, k, v, index[None])]
 
 
 def test_crop_keeps_only_the_rows_a_block_reads():
@@ -246,11 +251,19 @@ def test_crop_keeps_only_the_rows_a_block_reads():
     assert first.keys.shape[1] == 3 and (first.index == -1).sum() == 5 + 4 + 3  # -1 (before the start) stays -1
     empty = SparseSegment(seg.query[:, :1], seg.keys, seg.values, torch.full((1, 1, 6), -1))
     assert crop_to_reads(empty).keys.shape[1] == 1
+    # a window plus the first 2 tokens kept as sinks: two runs of rows, renumbered in store order
+    sinks = torch.tensor([0, 1]).expand(1, 10, 2)
+    block = SparseSegment(seg.query[:, 20:30], seg.keys, seg.values, torch.cat([sinks, seg.index[:, 20:30]], -1))
+    cropped = crop_to_reads(block)
+    rows = torch.tensor([0, 1, *range(15, 30)])
+    assert torch.equal(cropped.keys, seg.keys[:, rows]) and torch.equal(cropped.values, seg.values[:, rows])
+    assert torch.equal(rows[cropped.index], block.index)
 
 
+@pytest.mark.parametrize("first", [0, 2])
 @pytest.mark.parametrize("path", ["auto", "scores"])
-def test_windowed_prefill_in_blocks_reads_cropped_stores_and_matches_the_oracle(path, monkeypatch):
-    segments = window_segments()
+def test_windowed_prefill_in_blocks_reads_cropped_stores_and_matches_the_oracle(path, first, monkeypatch):
+    segments = window_segments(first=first)
     for x in (segments[0].query, segments[0].keys, segments[0].values):
         x.requires_grad_(True)
     sinks = torch.tensor([0.3, -2.0, 1.5, 0.0], dtype=torch.float64)
@@ -263,8 +276,8 @@ def test_windowed_prefill_in_blocks_reads_cropped_stores_and_matches_the_oracle(
 
     monkeypatch.setattr(sparse_attention, "_sparse_block", spy)
     (out,), _ = sparse_sink_attention(segments, scaling=0.4, sinks=sinks, query_block=8, path=path)
-    # each block of 8 queries reads at most 8 + 6 - 1 rows of the 40, so "auto" takes the one-matmul path
-    assert seen == [("scores", 8)] + [("scores", 13)] * 4
+    # each block of 8 queries reads at most 8 + 6 - 1 rows of the 40 (+ the sinks), so "auto" takes the one-matmul path
+    assert seen == [("scores", 8)] + [("scores", 13 + first)] * 4
     (want,) = dense_oracle(segments, 0.4, sinks)
     assert (out - want).abs().max() <= 1e-12
     grads = torch.autograd.grad(out.sum(), [segments[0].query, segments[0].keys, segments[0].values])
