@@ -115,8 +115,7 @@ class PeftSpec:
     target_modules: Annotated[Optional[list[Text]], Field(min_length=1), doc(
         "module name suffixes LoRA wraps (null: every linear layer inside self_attn that the teacher also has)")] = None
     layers: Annotated[Optional[list[int_in(0, 1 << 16)]], Field(min_length=1), doc(
-        "decoder layer indices LoRA wraps (peft's layers_to_transform; null: every layer). Leaving out the "
-        "layers before the first converted one also spares the backward pass through them")] = None
+        "decoder layer indices LoRA wraps (like peft's layers_to_transform; null: every layer)")] = None
     train_surgery_parameters: Annotated[Bool, doc("train the surgery-created parameters in full beside LoRA")] = True
 
 
