@@ -143,8 +143,9 @@ def sparse_sink_attention(
     for i in range(0, t, query_block):
         block = [SparseSegment(s.query[:, i : i + query_block], s.keys, s.values, s.index[:, i : i + query_block])
                  for s in segments] if t > query_block else segments
-        if path != "gather":  # a block's reads often span a short run of the store (a window)
-            block = [crop_to_reads(s) for s in block]
+        if path != "gather":  # a long store read by a few entries per query (a window): cut it to what is read
+            block = [crop_to_reads(s) if s.keys.shape[1] > SCORES_STORE_FACTOR * s.index.shape[-1] else s
+                     for s in block]
         block_path = path if path != "auto" else auto_read_path(
             device, False, store_rows=max(s.keys.shape[1] for s in block),
             index_width=sum(s.index.shape[-1] for s in block))
