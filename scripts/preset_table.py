@@ -2,7 +2,8 @@
 refreshes docs/presets.md (and, with ``--headers``, the measured block in each preset's header).
 
     python scripts/preset_table.py [--presets NAME,...] [--steps convert,ppl,answers,needle,ppl-long]
-        [--work runs/preset_table] [--out docs/presets.md] [--headers] [--render-only]
+        [--answer-contexts 512,2048]
+        [--work runs/preset_table] [--results docs/presets.json] [--out docs/presets.md] [--headers] [--render-only]
 
 Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert SOURCE`` line):
   convert   the plan converted and saved to WORK/NAME (its stage report: calib ppl, KV elements/token)
@@ -16,8 +17,8 @@ Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert S
             tokens (2 windows)
 The source runs every measurement too; every measurement is deterministic (greedy, fixed windows),
 so ratios to a source measured earlier by this script are the ratios of one run. Results are kept in
-WORK/results.json with the commit that made them: an interrupted refresh resumes where it stopped,
-``--fresh`` starts again.
+RESULTS (default docs/presets.json, committed: runs/ does not outlive a machine) with the commit that
+made them: an interrupted refresh resumes where it stopped, ``--fresh`` starts again.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def commit() -> str:
 
 
 class Results:
-    """results.json: {model: {measure: value}}; written after every measurement."""
+    """The results file: {model: {measure: {value, commit, date}}}; written after every measurement."""
 
     def __init__(self, path: Path, fresh: bool):
         self.path = path
@@ -95,7 +96,8 @@ def long_context(config) -> int:
     return min(LONG_MAX, int(getattr(config, "max_position_embeddings", LONG_MAX) or LONG_MAX))
 
 
-def measure(results: Results, key: str, model, tokenizer, source: str, steps: list[str], log) -> None:
+def measure(results: Results, key: str, model, tokenizer, source: str, steps: list[str], log,
+            answer_contexts=ANSWER_CONTEXTS) -> None:
     if getattr(model.config, "csa2_read_path", None):
         model.config.csa2_read_path = "scores"  # exact like "gather", much faster at these lengths
     if "ppl" in steps:
@@ -106,7 +108,7 @@ def measure(results: Results, key: str, model, tokenizer, source: str, steps: li
                 log(f"{key}: {m} = {results.get(key, m)['value']:.4f}")
     if "answers" in steps:
         for corpus in CORPORA:
-            for c in ANSWER_CONTEXTS:
+            for c in answer_contexts:
                 m = f"answers {corpus} {c}"
                 if not results.has(key, m):
                     probes = make_probes(tokenizer, token_windows(tokenizer, resolve_text(corpus), c, 8), 20)
@@ -170,7 +172,7 @@ def render(results: Results, presets: dict[str, str]) -> str:
              "perplexity; answers are far/near facts answered of 20 each (`hf_csa2.metrics.answer_check`);",
              f"needles are answered/asked over the six capabilities (depths {', '.join(map(str, NEEDLE_DEPTHS))},",
              f"{NEEDLE_PER_CELL} per cell, haystack python-docs:heldout). Commits: the `commit` of each entry in",
-             "`runs/preset_table/results.json`; conversions in `runs/preset_table/<preset>`.", ""]
+             "`docs/presets.json`; conversions in `runs/preset_table/<preset>`.", ""]
     for source, names in by_source.items():
         src = f"source:{source}"
         short, long_ = _ppl_keys(results, src)
@@ -230,13 +232,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", help="comma-separated preset names (default: every conversion/*.yaml)")
     parser.add_argument("--steps", default=",".join(STEPS))
+    parser.add_argument("--answer-contexts", default=",".join(map(str, ANSWER_CONTEXTS)),
+                        help=f"answer-check contexts to measure now, of {ANSWER_CONTEXTS} (the table's columns)")
     parser.add_argument("--work", default="runs/preset_table")
     parser.add_argument("--out", default="docs/presets.md")
+    parser.add_argument("--results", default="docs/presets.json", help="the measurements (JSON), kept between refreshes")
     parser.add_argument("--headers", action="store_true", help="rewrite the measured block of each preset header")
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results")
     args = parser.parse_args()
     steps = args.steps.split(",")
+    answer_contexts = tuple(int(c) for c in args.answer_contexts.split(","))
+    if bad := [c for c in answer_contexts if c not in ANSWER_CONTEXTS]:
+        raise SystemExit(f"--answer-contexts {bad}; allowed: {', '.join(map(str, ANSWER_CONTEXTS))}")
     if bad := [s for s in steps if s not in STEPS]:
         raise SystemExit(f"--steps {bad}; allowed: {', '.join(STEPS)}")
     paths = sorted((ROOT / "conversion").glob("*.yaml"))
@@ -247,7 +255,7 @@ def main() -> None:
             raise SystemExit(f"--presets: no conversion/{sorted(missing)[0]}.yaml")
     presets = {p.stem: preset_source(p) for p in paths}
     work = Path(args.work)
-    results = Results(work / "results.json", args.fresh)
+    results = Results(ROOT / args.results, args.fresh)
 
     def log(msg: str) -> None:
         print(time.strftime("%H:%M:%S"), msg, flush=True)
@@ -255,7 +263,7 @@ def main() -> None:
     if not args.render_only:
         for source in dict.fromkeys(presets.values()):
             loaded = load_source(source)
-            measure(results, f"source:{source}", loaded.model, loaded.tokenizer, source, steps, log)
+            measure(results, f"source:{source}", loaded.model, loaded.tokenizer, source, steps, log, answer_contexts)
             del loaded
             gc.collect()
             for name in [n for n, s in presets.items() if s == source]:
@@ -276,7 +284,7 @@ def main() -> None:
                 if not (out / "conversion_report.json").exists():
                     continue
                 loaded = load_source(out)
-                measure(results, name, loaded.model, loaded.tokenizer, source, steps, log)
+                measure(results, name, loaded.model, loaded.tokenizer, source, steps, log, answer_contexts)
                 del loaded
                 gc.collect()
                 (ROOT / args.out).write_text(render(results, presets))

@@ -1,5 +1,6 @@
 """Plan dataclasses: YAML round trip and one clear error per bad field."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,14 @@ def test_presets_parse():
     assert presets, "conversion/ must hold presets"
     for preset in presets:
         ConversionPlan.from_yaml(preset)
+
+
+def test_every_preset_header_names_its_own_convert_command():
+    """A user copies the command from the header; scripts/preset_table.py reads the source from it."""
+    presets = sorted((Path(__file__).parents[2] / "conversion").glob("*.yaml"))
+    missing = [p.name for p in presets if not re.search(
+        r"^#.*hf-csa2 convert \S+ --plan conversion/" + re.escape(p.name) + r"\b", p.read_text(), re.M)]
+    assert not missing, f"presets whose header lacks 'hf-csa2 convert SOURCE --plan conversion/<name>': {missing}"
 
 
 # hf_csa2_plan.yaml as 0.1 wrote it next to a checkpoint (every field, the removed ones false).
