@@ -202,18 +202,33 @@ def render(results: Results, presets: dict[str, str]) -> str:
 
 
 def header_block(results: Results, name: str, source: str) -> list[str]:
+    """The measured block of a preset header: what this script measured for it, next to the source, and
+    which of its measurements are still missing (never a row of dashes)."""
     src = f"source:{source}"
     short, long_ = _ppl_keys(results, src)
-    ratios = [f"{m.split()[1]} {m.split()[2]} {_ratio(results, name, src, m)}" for m in short + long_]
-    answers = [f"{c.split(':')[0]}@{n} {_answers(results, name, f'answers {c} {n}')} "
-               f"(source {_answers(results, src, f'answers {c} {n}')})" for c in CORPORA for n in ANSWER_CONTEXTS]
-    needles = [f"{n}: {_needle(results, name, n)} (source {_needle(results, src, n)})" for n in NEEDLE_LENGTHS]
+    missing: list[str] = []
+
+    def kept(label: str, value: str, source_value: str | None = None, what: str = "") -> str | None:
+        if "–" in value:
+            missing.append(what + label)
+            return None
+        return f"{label} {value}" + (f" (source {source_value})" if source_value is not None else "")
+
+    ratios = [kept(f"{m.split()[1].split(':')[0]} {m.split()[2]}", _ratio(results, name, src, m), what="ppl ")
+              for m in short + long_]
+    answers = [kept(f"{c.split(':')[0]}@{n}", _answers(results, name, f"answers {c} {n}"),
+                    _answers(results, src, f"answers {c} {n}"), what="answers ") for c in CORPORA for n in ANSWER_CONTEXTS]
+    needles = [kept(f"needles {n}", _needle(results, name, n), _needle(results, src, n)) for n in NEEDLE_LENGTHS]
+    kv = results.get(name, "kv_per_token_8k")
     commits = sorted({e["commit"] for e in results.data.get(name, {}).values()})
-    return [BEGIN + f" ({', '.join(commits) or 'not yet'}; docs/presets.md has the table and the per-capability needles)",
-            "#   held-out ppl ratio to the source: " + "; ".join(ratios),
-            "#   answer check far/near of 20: " + "; ".join(answers),
-            "#   needles answered (6 capabilities x 21): " + "; ".join(needles),
-            END]
+    lines = [BEGIN + f" --presets {name} (code of {', '.join(commits)}; table: docs/presets.md)",
+             f"#   KV elements/token at 8K: {kv['value']:,.1f}" if kv else None,
+             "#   held-out ppl ratio to the source: " + "; ".join(r for r in ratios if r) if any(ratios) else None,
+             "#   answer check far/near of 20: " + "; ".join(a for a in answers if a) if any(answers) else None,
+             "#   needles answered (6 capabilities x 21): " + "; ".join(n for n in needles if n) if any(needles) else None,
+             "#   not measured by it yet: " + ", ".join(missing) if missing else None,
+             END]
+    return [line for line in lines if line]
 
 
 def write_header(path: Path, block: list[str]) -> None:
@@ -291,7 +306,8 @@ def main() -> None:
     (ROOT / args.out).write_text(render(results, presets))
     if args.headers:
         for name, source in presets.items():
-            write_header(ROOT / "conversion" / f"{name}.yaml", header_block(results, name, source))
+            if name in results.data:  # a block of dashes would only hide the header's own figures
+                write_header(ROOT / "conversion" / f"{name}.yaml", header_block(results, name, source))
     log(f"wrote {args.out}")
 
 
