@@ -1,9 +1,11 @@
 """Every shipped preset against its source, on both held-out corpora and by its answers: one command
-refreshes docs/presets.md (and, with ``--headers``, the measured block in each preset's header).
+refreshes docs/presets.md (with ``--headers`` the measured block in each preset's header, with ``--readme``
+the README's results table).
 
     python scripts/preset_table.py [--presets NAME,...] [--steps convert,ppl,answers,needle,ppl-long]
         [--answer-contexts 512,2048]
-        [--work runs/preset_table] [--results docs/presets.json] [--out docs/presets.md] [--headers] [--render-only]
+        [--work runs/preset_table] [--results docs/presets.json] [--out docs/presets.md] [--headers] [--readme]
+        [--render-only]
 
 Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert SOURCE`` line):
   convert   the plan converted and saved to WORK/NAME (its stage report: calib ppl, KV elements/token)
@@ -201,6 +203,37 @@ def render(results: Results, presets: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+README_BEGIN, README_END = "<!-- preset table: scripts/preset_table.py --readme -->", "<!-- end of preset table -->"
+
+
+def readme_table(results: Results, presets: dict[str, str]) -> list[str]:
+    """The README's compact table: per source, its presets' cache, ppl ratios on both corpora at 2K and
+    the answer check at 512 tokens (docs/presets.md has every column)."""
+    head = ["source / preset", "KV elements/token at 8K"] + [f"ppl ratio {c.split(':')[0]} {PPL_WINDOWS} × {PPL_WINDOW:,}"
+                                                               for c in CORPORA]
+    head += [f"answers far/near of 20, {c.split(':')[0]} @{ANSWER_CONTEXTS[0]}" for c in CORPORA]
+    lines = [README_BEGIN, "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for source in dict.fromkeys(presets.values()):
+        src = f"source:{source}"
+        for key, label in [(src, f"**{source}** (source)")] + [(n, f"`{n}`") for n, s in presets.items() if s == source]:
+            kv = results.get(key, "kv_per_token_8k")
+            row = [label, f"{kv['value']:,.1f}" if kv else "–"]
+            for c in CORPORA:
+                m = f"ppl {c} {PPL_WINDOW}x{PPL_WINDOWS}"
+                row.append(("1" if results.get(key, m) else "–") if key == src else _ratio(results, key, src, m))
+            row += [_answers(results, key, f"answers {c} {ANSWER_CONTEXTS[0]}") for c in CORPORA]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines + [README_END]
+
+
+def write_between(path: Path, begin: str, end: str, block: list[str]) -> None:
+    text = path.read_text()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no '{begin}' ... '{end}' markers to write the table between")
+    head, rest = text.split(begin, 1)
+    path.write_text(head + "\n".join(block) + rest.split(end, 1)[1])
+
+
 def header_block(results: Results, name: str, source: str) -> list[str]:
     """The measured block of a preset header: what this script measured for it, next to the source, and
     which of its measurements are still missing (never a row of dashes)."""
@@ -253,6 +286,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/presets.md")
     parser.add_argument("--results", default="docs/presets.json", help="the measurements (JSON), kept between refreshes")
     parser.add_argument("--headers", action="store_true", help="rewrite the measured block of each preset header")
+    parser.add_argument("--readme", action="store_true", help="rewrite the compact table in README.md")
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results")
     args = parser.parse_args()
@@ -304,6 +338,8 @@ def main() -> None:
                 gc.collect()
                 (ROOT / args.out).write_text(render(results, presets))
     (ROOT / args.out).write_text(render(results, presets))
+    if args.readme:
+        write_between(ROOT / "README.md", README_BEGIN, README_END, readme_table(results, presets))
     if args.headers:
         for name, source in presets.items():
             if name in results.data:  # a block of dashes would only hide the header's own figures
