@@ -206,12 +206,22 @@ def render(results: Results, presets: dict[str, str]) -> str:
 README_BEGIN, README_END = "<!-- preset table: scripts/preset_table.py --readme -->", "<!-- end of preset table -->"
 
 
+def _stage_answers(results: Results, key: str, first: bool = False) -> str:
+    """The convert stage report's answer check (the source's is its first stage): far/near of N @ context."""
+    v = results.get(key, "convert")
+    if not v:
+        return "–"
+    a = v["value"]["answer_check"][0 if first else -1]
+    return f"{a['far']}/{a['near']} of {a['per_depth']}, {a['context']:,} tokens"
+
+
 def readme_table(results: Results, presets: dict[str, str]) -> list[str]:
     """The README's compact table: per source, its presets' cache, ppl ratios on both corpora at 2K and
     the answer check at 512 tokens (docs/presets.md has every column)."""
     head = ["source / preset", "KV elements/token at 8K"] + [f"ppl ratio {c.split(':')[0]} {PPL_WINDOWS} × {PPL_WINDOW:,}"
                                                                for c in CORPORA]
     head += [f"answers far/near of 20, {c.split(':')[0]} @{ANSWER_CONTEXTS[0]}" for c in CORPORA]
+    head.append("stage-report answer check (calibration text and length)")
     lines = [README_BEGIN, "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for source in dict.fromkeys(presets.values()):
         src = f"source:{source}"
@@ -222,6 +232,8 @@ def readme_table(results: Results, presets: dict[str, str]) -> list[str]:
                 m = f"ppl {c} {PPL_WINDOW}x{PPL_WINDOWS}"
                 row.append(("1" if results.get(key, m) else "–") if key == src else _ratio(results, key, src, m))
             row += [_answers(results, key, f"answers {c} {ANSWER_CONTEXTS[0]}") for c in CORPORA]
+            row.append(_stage_answers(results, key if key != src else next(
+                (n for n, s in presets.items() if s == source and results.get(n, "convert")), ""), first=key == src))
             lines.append("| " + " | ".join(row) + " |")
     return lines + [README_END]
 
@@ -253,9 +265,12 @@ def header_block(results: Results, name: str, source: str) -> list[str]:
                     _answers(results, src, f"answers {c} {n}"), what="answers ") for c in CORPORA for n in ANSWER_CONTEXTS]
     needles = [kept(f"needles {n}", _needle(results, name, n), _needle(results, src, n)) for n in NEEDLE_LENGTHS]
     kv = results.get(name, "kv_per_token_8k")
+    stage = _stage_answers(results, name)
     commits = sorted({e["commit"] for e in results.data.get(name, {}).values()})
     lines = [BEGIN + f" --presets {name} (code of {', '.join(commits)}; table: docs/presets.md)",
              f"#   KV elements/token at 8K: {kv['value']:,.1f}" if kv else None,
+             f"#   stage-report answer check far/near: {stage} (source {_stage_answers(results, name, first=True)})"
+             if stage != "–" else None,
              "#   held-out ppl ratio to the source: " + "; ".join(r for r in ratios if r) if any(ratios) else None,
              "#   answer check far/near of 20: " + "; ".join(a for a in answers if a) if any(answers) else None,
              "#   needles answered (6 capabilities x 21): " + "; ".join(n for n in needles if n) if any(needles) else None,
