@@ -274,9 +274,53 @@ def header_block(results: Results, name: str, source: str) -> list[str]:
              "#   held-out ppl ratio to the source: " + "; ".join(r for r in ratios if r) if any(ratios) else None,
              "#   answer check far/near of 20: " + "; ".join(a for a in answers if a) if any(answers) else None,
              "#   needles answered (6 capabilities x 21): " + "; ".join(n for n in needles if n) if any(needles) else None,
+             "#   worse: " + "; ".join(caveats(results, name, source)) if caveats(results, name, source) else None,
              "#   not measured by it yet: " + ", ".join(missing) if missing else None,
              END]
     return [line for line in lines if line]
+
+
+def _kept_fraction(results: Results, key: str, src: str, m: str) -> float | None:
+    """Answers of the answer check kept, far + near, as a fraction of the source's."""
+    a, b = results.get(key, m), results.get(src, m)
+    if not a or not b or not b["value"]["far"] + b["value"]["near"]:
+        return None
+    return (a["value"]["far"] + a["value"]["near"]) / (b["value"]["far"] + b["value"]["near"])
+
+
+def caveats(results: Results, name: str, source: str, margin: float = 0.005, answer_margin: float = 0.05) -> list[str]:
+    """Where a preset is worse on the other corpus than on the calibration corpus's held-out part, or worse at
+    the longer context than at the shorter one: the sentences a header must carry next to its figures."""
+    src = f"source:{source}"
+    home, other = CORPORA
+    said: list[str] = []
+
+    def ratio(m: str) -> float | None:
+        r = _ratio(results, name, src, m)
+        return None if r == "–" else float(r)
+
+    short, long_ = _ppl_keys(results, src)
+    for size in dict.fromkeys(m.split()[2] for m in short + long_):
+        a, b = ratio(f"ppl {home} {size}"), ratio(f"ppl {other} {size}")
+        if a is not None and b is not None and b > a + margin:
+            said.append(f"ppl worse on the other domain at {size}: {other.split(':')[0]} {b:.3f} vs "
+                        f"{home.split(':')[0]} {a:.3f}")
+    for corpus in CORPORA:
+        by_size = [(m.split()[2], ratio(m)) for m in short + long_ if m.split()[1] == corpus]
+        by_size = [(size, r) for size, r in by_size if r is not None]
+        if len(by_size) > 1 and by_size[-1][1] > by_size[0][1] + margin:
+            said.append(f"ppl worse at length on {corpus.split(':')[0]}: {by_size[-1][1]:.3f} at {by_size[-1][0]} vs "
+                        f"{by_size[0][1]:.3f} at {by_size[0][0]}")
+    for n in ANSWER_CONTEXTS:
+        a, b = (_kept_fraction(results, name, src, f"answers {c} {n}") for c in CORPORA)
+        if a is not None and b is not None and b < a - answer_margin:
+            said.append(f"answers worse on the other domain at {n:,} tokens: {b:.0%} of the source's kept vs {a:.0%}")
+    for c in CORPORA:
+        a, b = (_kept_fraction(results, name, src, f"answers {c} {n}") for n in ANSWER_CONTEXTS)
+        if a is not None and b is not None and b < a - answer_margin:
+            said.append(f"answers worse at length on {c.split(':')[0]}: {b:.0%} of the source's kept at "
+                        f"{ANSWER_CONTEXTS[1]:,} tokens vs {a:.0%} at {ANSWER_CONTEXTS[0]:,}")
+    return said
 
 
 def write_header(path: Path, block: list[str]) -> None:

@@ -1,0 +1,54 @@
+"""scripts/preset_table.py: the sentences a preset header carries where a figure is worse off-domain or at length."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "preset_table.py"
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("preset_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def results(table, tmp_path, preset: dict, source: dict):
+    r = table.Results(tmp_path / "r.json", fresh=True)
+    for key, measures in (("source:src", source), ("p", preset)):
+        for m, v in measures.items():
+            r.data.setdefault(key, {})[m] = {"value": v, "commit": "x", "date": "d"}
+    return r
+
+
+SOURCE = {"ppl python-docs:heldout 2048x4": 10.0, "ppl fortunes:heldout 2048x4": 20.0,
+          "ppl python-docs:heldout 8192x2": 8.0, "ppl fortunes:heldout 8192x2": 16.0,
+          "answers python-docs:heldout 512": {"far": 20, "near": 20},
+          "answers fortunes:heldout 512": {"far": 20, "near": 20},
+          "answers python-docs:heldout 2048": {"far": 20, "near": 20}}
+
+
+def test_a_preset_equal_everywhere_carries_no_caveat(table, tmp_path):
+    assert table.caveats(results(table, tmp_path, dict(SOURCE), SOURCE), "p", "src") == []
+
+
+def test_worse_off_domain_and_at_length_are_each_said(table, tmp_path):
+    preset = dict(SOURCE)
+    preset["ppl fortunes:heldout 2048x4"] = 22.0                        # ratio 1.10 vs 1.00 at home
+    preset["ppl python-docs:heldout 8192x2"] = 8.8                       # 1.10 at 8K vs 1.00 at 2K
+    preset["answers fortunes:heldout 512"] = {"far": 10, "near": 20}     # 75 % of the source's vs 100 %
+    preset["answers python-docs:heldout 2048"] = {"far": 0, "near": 20}  # 50 % at 2K vs 100 % at 512
+    said = table.caveats(results(table, tmp_path, preset, SOURCE), "p", "src")
+    assert any("other domain at 2048x4" in s and "1.100" in s for s in said), said
+    assert any("at length on python-docs" in s and "1.100 at 8192x2" in s for s in said), said
+    assert any("answers worse on the other domain at 512" in s and "75%" in s for s in said), said
+    assert any("answers worse at length on python-docs" in s and "50%" in s for s in said), said
+    assert len(said) == 4, said
+
+
+def test_the_header_block_carries_the_caveats(table, tmp_path):
+    preset = dict(SOURCE, **{"ppl fortunes:heldout 2048x4": 30.0})
+    block = table.header_block(results(table, tmp_path, preset, SOURCE), "p", "src")
+    assert any(line.startswith("#   worse: ppl worse on the other domain") for line in block), block
