@@ -225,3 +225,23 @@ def test_csa2_prefill_chunked_prefill_and_decode_agree_at_2k_tokens(smollm2, mla
     diff = (natural - full).abs().amax(-1)
     first = int((diff > 1e-3).nonzero()[0]) if (diff > 1e-3).any() else 2048
     assert first > 512, f"selection flipped already at query {first}"
+
+
+def test_stage_report_answer_check_says_which_stage_loses_the_answers(smollm2, texts):
+    """convert's stage report asks the answer check of the source and after every stage: one-shot MQA,
+    which answers nothing about its prompt (docs/presets.md), says so in its own row, next to the source's
+    score (which the source earns: 19-20 of 20 per depth in docs/presets.md)."""
+    from hf_csa2.surgery.pipeline import convert
+
+    plan = {"gqa": {"num_key_value_heads": 1},
+            "calibration": {"text": "python-docs:calib", "num_tokens": 1024, "seq_len": 512, "eval_windows": 2,
+                            "answer_probes": 4}}
+    lines: list[str] = []
+    report = convert("smollm2-135m", plan, log=lines.append).report
+    checks = {r.stage: r.answer_check for r in report}
+    assert list(checks) == ["source", "gqa"], checks
+    source = checks["source"]
+    assert source["per_depth"] == 4 and source["far"] + source["near"] >= 6, source
+    assert checks["gqa"]["far"] + checks["gqa"]["near"] <= 2, checks
+    stage_lines = [line for line in lines if line.startswith("[stage")]
+    assert any("gqa" in line and f"far {checks['gqa']['far']}/4" in line for line in stage_lines), stage_lines
