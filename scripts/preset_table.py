@@ -267,6 +267,7 @@ def header_block(results: Results, name: str, source: str) -> list[str]:
     kv = results.get(name, "kv_per_token_8k")
     stage = _stage_answers(results, name)
     commits = sorted({e["commit"] for e in results.data.get(name, {}).values()})
+    worse = caveats(results, name, source)
     lines = [BEGIN + f" --presets {name} (code of {', '.join(commits)}; table: docs/presets.md)",
              f"#   KV elements/token at 8K: {kv['value']:,.1f}" if kv else None,
              f"#   stage-report answer check far/near: {stage} (source {_stage_answers(results, name, first=True)})"
@@ -274,7 +275,7 @@ def header_block(results: Results, name: str, source: str) -> list[str]:
              "#   held-out ppl ratio to the source: " + "; ".join(r for r in ratios if r) if any(ratios) else None,
              "#   answer check far/near of 20: " + "; ".join(a for a in answers if a) if any(answers) else None,
              "#   needles answered (6 capabilities x 21): " + "; ".join(n for n in needles if n) if any(needles) else None,
-             "#   worse: " + "; ".join(caveats(results, name, source)) if caveats(results, name, source) else None,
+             "#   worse: " + "; ".join(worse) if worse else None,
              "#   not measured by it yet: " + ", ".join(missing) if missing else None,
              END]
     return [line for line in lines if line]
@@ -296,8 +297,8 @@ def caveats(results: Results, name: str, source: str, margin: float = 0.005, ans
     said: list[str] = []
 
     def ratio(m: str) -> float | None:
-        r = _ratio(results, name, src, m)
-        return None if r == "–" else float(r)
+        a, b = results.get(name, m), results.get(src, m)
+        return a["value"] / b["value"] if a and b else None
 
     short, long_ = _ppl_keys(results, src)
     for size in dict.fromkeys(m.split()[2] for m in short + long_):
