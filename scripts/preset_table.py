@@ -15,8 +15,8 @@ Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert S
   needle    the needle suite (six capabilities, depths 0 / 0.5 / 1, 7 per cell = 21 per capability
             and length) at 512 and 2,048 tokens; chat template for instruct sources, completion
             mode for base models
-  ppl-long  held-out ppl on both corpora at the longest context the source supports, up to 8,192
-            tokens (2 windows)
+  ppl-long  held-out ppl on both corpora at 4,096 tokens and at the longest context the source
+            supports, up to 8,192 tokens (2 windows each)
 The source runs every measurement too; every measurement is deterministic (greedy, fixed windows),
 so ratios to a source measured earlier by this script are the ratios of one run. Results are kept in
 RESULTS (default docs/presets.json, committed: runs/ does not outlive a machine) with the commit that
@@ -53,6 +53,7 @@ NEEDLE_DEPTHS = (0.0, 0.5, 1.0)
 NEEDLE_PER_CELL = 7
 PPL_WINDOW, PPL_WINDOWS = 2048, 4
 LONG_MAX, LONG_WINDOWS = 8192, 2
+LONG_MIDDLE = 4096
 BEGIN, END = "# >>> measured by scripts/preset_table.py", "# <<< measured"
 
 
@@ -94,8 +95,11 @@ class Results:
         tmp.replace(self.path)
 
 
-def long_context(config) -> int:
-    return min(LONG_MAX, int(getattr(config, "max_position_embeddings", LONG_MAX) or LONG_MAX))
+def long_contexts(config) -> list[int]:
+    """The contexts above the 2K table column that ``ppl-long`` measures: 4K and the longest the source
+    supports up to 8K (one of them when they coincide, none above what the source supports)."""
+    longest = min(LONG_MAX, int(getattr(config, "max_position_embeddings", LONG_MAX) or LONG_MAX))
+    return sorted({n for n in (LONG_MIDDLE, longest) if PPL_WINDOW < n <= longest})
 
 
 def measure(results: Results, key: str, model, tokenizer, source: str, steps: list[str], log,
@@ -130,12 +134,13 @@ def measure(results: Results, key: str, model, tokenizer, source: str, steps: li
                 {k: r[k] for k in ("category", "depth", "correct", "output")} for r in records]})
             log(f"{key}: {m} = {sum(r['correct'] for r in records)}/{len(records)}")
     if "ppl-long" in steps:
-        n = long_context(model.config)
-        for corpus in CORPORA:
-            m = f"ppl {corpus} {n}x{LONG_WINDOWS}"
-            if not results.has(key, m):
-                results.put(key, m, mean_nll(model, token_windows(tokenizer, resolve_text(corpus), n, LONG_WINDOWS))["ppl"])
-                log(f"{key}: {m} = {results.get(key, m)['value']:.4f}")
+        for n in long_contexts(model.config):
+            for corpus in CORPORA:
+                m = f"ppl {corpus} {n}x{LONG_WINDOWS}"
+                if not results.has(key, m):
+                    windows = token_windows(tokenizer, resolve_text(corpus), n, LONG_WINDOWS)
+                    results.put(key, m, mean_nll(model, windows)["ppl"])
+                    log(f"{key}: {m} = {results.get(key, m)['value']:.4f}")
 
 
 # -- rendering --------------------------------------------------------------------------
@@ -161,7 +166,8 @@ def _needle(results: Results, key: str, length: int, category: str | None = None
 def _ppl_keys(results: Results, src: str) -> tuple[list[str], list[str]]:
     short = [f"ppl {c} {PPL_WINDOW}x{PPL_WINDOWS}" for c in CORPORA]
     long_ = [m for c in CORPORA for m in results.data.get(src, {}) if m.startswith(f"ppl {c} ") and m not in short]
-    return short, long_
+    # by context, then corpus: the columns read 4K both corpora, then 8K both corpora
+    return short, sorted(long_, key=lambda m: (int(m.split()[2].split("x")[0]), CORPORA.index(m.split()[1])))
 
 
 def render(results: Results, presets: dict[str, str]) -> str:

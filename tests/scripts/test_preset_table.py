@@ -52,3 +52,18 @@ def test_the_header_block_carries_the_caveats(table, tmp_path):
     preset = dict(SOURCE, **{"ppl fortunes:heldout 2048x4": 30.0})
     block = table.header_block(results(table, tmp_path, preset, SOURCE), "p", "src")
     assert any(line.startswith("#   worse: ppl worse on the other domain") for line in block), block
+
+
+@pytest.mark.parametrize("max_positions, expected", [(32768, [4096, 8192]), (8192, [4096, 8192]),
+                                                     (4096, [4096]), (6000, [4096, 6000]), (2048, []),
+                                                     (None, [4096, 8192])])
+def test_long_contexts_are_4k_and_the_longest_the_source_supports(table, max_positions, expected):
+    config = type("Config", (), {"max_position_embeddings": max_positions})()
+    assert table.long_contexts(config) == expected
+
+
+def test_long_columns_read_by_context_then_corpus(table, tmp_path):
+    source = dict(SOURCE, **{"ppl fortunes:heldout 4096x2": 18.0, "ppl python-docs:heldout 4096x2": 9.0})
+    _, long_ = table._ppl_keys(results(table, tmp_path, {}, source), "source:src")
+    assert long_ == ["ppl python-docs:heldout 4096x2", "ppl fortunes:heldout 4096x2",
+                     "ppl python-docs:heldout 8192x2", "ppl fortunes:heldout 8192x2"]
