@@ -16,7 +16,8 @@ Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert S
             and length) at 512 and 2,048 tokens; chat template for instruct sources, completion
             mode for base models
   ppl-long  held-out ppl on both corpora at 4,096 tokens and at the longest context the source
-            supports, up to 8,192 tokens (2 windows each)
+            supports, up to 8,192 tokens (8,192 tokens scored per column, like the 2K column:
+            2 windows of 4,096, 1 of 8,192)
 The source runs every measurement too; every measurement is deterministic (greedy, fixed windows),
 so ratios to a source measured earlier by this script are the ratios of one run. Results are kept in
 RESULTS (default docs/presets.json, committed: runs/ does not outlive a machine) with the commit that
@@ -52,7 +53,7 @@ NEEDLE_LENGTHS = (512, 2048)
 NEEDLE_DEPTHS = (0.0, 0.5, 1.0)
 NEEDLE_PER_CELL = 7
 PPL_WINDOW, PPL_WINDOWS = 2048, 4
-LONG_MAX, LONG_WINDOWS = 8192, 2
+LONG_MAX, LONG_TOKENS = 8192, 8192
 LONG_MIDDLE = 4096
 BEGIN, END = "# >>> measured by scripts/preset_table.py", "# <<< measured"
 
@@ -136,9 +137,10 @@ def measure(results: Results, key: str, model, tokenizer, source: str, steps: li
     if "ppl-long" in steps:
         for n in long_contexts(model.config):
             for corpus in CORPORA:
-                m = f"ppl {corpus} {n}x{LONG_WINDOWS}"
+                count = max(1, LONG_TOKENS // n)
+                m = f"ppl {corpus} {n}x{count}"
                 if not results.has(key, m):
-                    windows = token_windows(tokenizer, resolve_text(corpus), n, LONG_WINDOWS)
+                    windows = token_windows(tokenizer, resolve_text(corpus), n, count)
                     results.put(key, m, mean_nll(model, windows)["ppl"])
                     log(f"{key}: {m} = {results.get(key, m)['value']:.4f}")
 

@@ -24,7 +24,7 @@ def results(table, tmp_path, preset: dict, source: dict):
 
 
 SOURCE = {"ppl python-docs:heldout 2048x4": 10.0, "ppl fortunes:heldout 2048x4": 20.0,
-          "ppl python-docs:heldout 8192x2": 8.0, "ppl fortunes:heldout 8192x2": 16.0,
+          "ppl python-docs:heldout 8192x1": 8.0, "ppl fortunes:heldout 8192x1": 16.0,
           "answers python-docs:heldout 512": {"far": 20, "near": 20},
           "answers fortunes:heldout 512": {"far": 20, "near": 20},
           "answers python-docs:heldout 2048": {"far": 20, "near": 20}}
@@ -37,12 +37,12 @@ def test_a_preset_equal_everywhere_carries_no_caveat(table, tmp_path):
 def test_worse_off_domain_and_at_length_are_each_said(table, tmp_path):
     preset = dict(SOURCE)
     preset["ppl fortunes:heldout 2048x4"] = 22.0                        # ratio 1.10 vs 1.00 at home
-    preset["ppl python-docs:heldout 8192x2"] = 8.8                       # 1.10 at 8K vs 1.00 at 2K
+    preset["ppl python-docs:heldout 8192x1"] = 8.8                       # 1.10 at 8K vs 1.00 at 2K
     preset["answers fortunes:heldout 512"] = {"far": 10, "near": 20}     # 75 % of the source's vs 100 %
     preset["answers python-docs:heldout 2048"] = {"far": 0, "near": 20}  # 50 % at 2K vs 100 % at 512
     said = table.caveats(results(table, tmp_path, preset, SOURCE), "p", "src")
     assert any("other domain at 2048x4" in s and "1.100" in s for s in said), said
-    assert any("at length on python-docs" in s and "1.100 at 8192x2" in s for s in said), said
+    assert any("at length on python-docs" in s and "1.100 at 8192x1" in s for s in said), said
     assert any("answers worse on the other domain at 512" in s and "75%" in s for s in said), said
     assert any("answers worse at length on python-docs" in s and "50%" in s for s in said), said
     assert len(said) == 4, said
@@ -66,4 +66,4 @@ def test_long_columns_read_by_context_then_corpus(table, tmp_path):
     source = dict(SOURCE, **{"ppl fortunes:heldout 4096x2": 18.0, "ppl python-docs:heldout 4096x2": 9.0})
     _, long_ = table._ppl_keys(results(table, tmp_path, {}, source), "source:src")
     assert long_ == ["ppl python-docs:heldout 4096x2", "ppl fortunes:heldout 4096x2",
-                     "ppl python-docs:heldout 8192x2", "ppl fortunes:heldout 8192x2"]
+                     "ppl python-docs:heldout 8192x1", "ppl fortunes:heldout 8192x1"]
