@@ -5,7 +5,7 @@ the README's results table).
     python scripts/preset_table.py [--presets NAME,...] [--steps convert,ppl,answers,needle,ppl-long]
         [--answer-contexts 512,2048]
         [--work runs/preset_table] [--results docs/presets.json] [--out docs/presets.md] [--headers] [--readme]
-        [--render-only]
+        [--render-only] [--merge OTHER_RESULTS,...]
 
 Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert SOURCE`` line):
   convert   the plan converted and saved to WORK/NAME (its stage report: calib ppl, KV elements/token)
@@ -94,6 +94,19 @@ class Results:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1))
         tmp.replace(self.path)
+
+    def merge(self, other: Path) -> list[str]:
+        """Take in the measurements of a parallel run (one started with ``--results`` on a copy of this
+        file): every entry of ``other`` absent here or different from this file's is copied, so where both
+        hold a measure, ``other``'s wins. Returns the "model: measure" names taken."""
+        taken = []
+        for model, measures in json.loads(other.read_text()).items():
+            for m, entry in measures.items():
+                if self.data.get(model, {}).get(m) != entry:
+                    self.data.setdefault(model, {})[m] = entry
+                    taken.append(f"{model}: {m}")
+        self.path.write_text(json.dumps(self.data, indent=1))
+        return taken
 
 
 def long_contexts(config) -> list[int]:
@@ -357,6 +370,7 @@ def main() -> None:
     parser.add_argument("--readme", action="store_true", help="rewrite the compact table in README.md")
     parser.add_argument("--render-only", action="store_true")
     parser.add_argument("--fresh", action="store_true", help="forget earlier results")
+    parser.add_argument("--merge", help="comma-separated results files of parallel runs to take into RESULTS first")
     args = parser.parse_args()
     steps = args.steps.split(",")
     answer_contexts = tuple(int(c) for c in args.answer_contexts.split(","))
@@ -373,6 +387,8 @@ def main() -> None:
     presets = {p.stem: preset_source(p) for p in paths}
     work = Path(args.work)
     results = Results(ROOT / args.results, args.fresh)
+    for other in args.merge.split(",") if args.merge else []:
+        print(f"merged from {other}:", ", ".join(results.merge(Path(other))) or "nothing new", flush=True)
 
     def log(msg: str) -> None:
         print(time.strftime("%H:%M:%S"), msg, flush=True)

@@ -1,5 +1,6 @@
 """scripts/preset_table.py: the sentences a preset header carries where a figure is worse off-domain or at length."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,19 @@ def test_long_columns_read_by_context_then_corpus(table, tmp_path):
     _, long_ = table._ppl_keys(results(table, tmp_path, {}, source), "source:src")
     assert long_ == ["ppl python-docs:heldout 4096x2", "ppl fortunes:heldout 4096x2",
                      "ppl python-docs:heldout 8192x1", "ppl fortunes:heldout 8192x1"]
+
+
+def test_merge_takes_what_a_parallel_run_measured_and_keeps_the_rest(table, tmp_path):
+    ours = results(table, tmp_path, {"ppl python-docs:heldout 2048x4": 11.0}, SOURCE)
+    ours.path.write_text(json.dumps(ours.data))
+    theirs = table.Results(tmp_path / "theirs.json", fresh=True)
+    theirs.data = json.loads(ours.path.read_text())
+    theirs.put("p", "ppl fortunes:heldout 2048x4", 25.0)          # new in the parallel run
+    theirs.put("source:src", "ppl python-docs:heldout 2048x4", 12.0)  # measured again there: theirs wins
+    taken = ours.merge(theirs.path)
+    assert sorted(taken) == ["p: ppl fortunes:heldout 2048x4", "source:src: ppl python-docs:heldout 2048x4"]
+    reread = table.Results(ours.path, fresh=False)
+    assert reread.get("p", "ppl fortunes:heldout 2048x4")["value"] == 25.0
+    assert reread.get("source:src", "ppl python-docs:heldout 2048x4")["value"] == 12.0
+    assert reread.get("p", "ppl python-docs:heldout 2048x4")["value"] == 11.0
+    assert ours.merge(theirs.path) == []
