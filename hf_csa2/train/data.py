@@ -258,12 +258,24 @@ def chat_format(spec: DataSpec, tokenizer) -> bool:
 def training_blocks(spec: DataSpec, tokenizer) -> datasets.Dataset:
     """``[N]`` records with ``input_ids`` of exactly ``spec.seq_len`` tokens: documents in order,
     each followed by EOS, concatenated and cut (the last partial block of each 1,000 documents is
-    dropped). At most ``spec.num_tokens`` tokens (whole blocks)."""
-    ds = load_records(spec.text)
+    dropped). Several ``spec.text`` entries are mixed: their blocks taken in turn, one of each, until
+    every one is used up (none repeated). At most ``spec.num_tokens`` tokens (whole blocks, the first
+    of that order, so a mix comes in equal parts)."""
+    parts = [_blocks_of(text, spec, tokenizer) for text in spec.text]
+    ds = parts[0] if len(parts) == 1 else datasets.interleave_datasets(
+        parts, stopping_strategy="all_exhausted_without_replacement")
+    if spec.num_tokens is not None:
+        ds = ds.select(range(min(len(ds), max(1, spec.num_tokens // spec.seq_len))))
+    return ds.with_format("torch")
+
+
+def _blocks_of(text: str, spec: DataSpec, tokenizer) -> datasets.Dataset:
+    """The packed blocks of one ``data.text`` entry."""
+    ds = load_records(text)
     copy_tasks = [t for t in spec.tasks if t != "continue"]
     if copy_tasks and "text" not in ds.column_names:
         raise RecipeError(f"data.tasks={list(spec.tasks)}: the tasks {copy_tasks} are built from plain text, but "
-                          f"data.text={spec.text!r} holds {'chat records' if 'messages' in ds.column_names else 'token ids'}; "
+                          f"data.text entry {text!r} holds {'chat records' if 'messages' in ds.column_names else 'token ids'}; "
                           "use a text corpus, file or folder, or data.tasks: [continue]")
     if "text" in ds.column_names and chat_format(spec, tokenizer):
         ds = ds.map(_to_chat(spec.passage_chars, tuple(spec.tasks)), batched=True, with_indices=True,
@@ -274,10 +286,8 @@ def training_blocks(spec: DataSpec, tokenizer) -> datasets.Dataset:
     ds = ds.map(_renderer(tokenizer), batched=True, remove_columns=ds.column_names, desc="tokenising")
     ds = ds.map(_packer(spec.seq_len), batched=True, batch_size=1000, desc=f"packing into {spec.seq_len}-token blocks")
     if len(ds) == 0:
-        raise RecipeError(f"data.text={spec.text!r} has fewer than data.seq_len={spec.seq_len} tokens")
-    if spec.num_tokens is not None:
-        ds = ds.select(range(min(len(ds), max(1, spec.num_tokens // spec.seq_len))))
-    return ds.with_format("torch")
+        raise RecipeError(f"data.text entry {text!r} has fewer than data.seq_len={spec.seq_len} tokens")
+    return ds
 
 
 def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 from pydantic.dataclasses import dataclass
 
 from ..engine.trainer import LOSSES, TRAINABLE
@@ -44,14 +44,22 @@ class RecipeError(UserError, ValueError):
     """A recipe field has a bad value; the message names the field and the allowed values."""
 
 
+def _one_or_more(value):
+    """``text: a`` is ``text: [a]``."""
+    return [value] if isinstance(value, str) else value
+
+
 @dataclass(config=CONFIG)
 class DataSpec:
     """Training text, through the ``datasets`` library: tokenised, packed into ``seq_len`` blocks
     (documents joined by the EOS token) and cached on disk."""
 
-    text: Annotated[Text, doc("a named corpus (python-docs:calib), a text file or folder, a .jsonl file of chat "
-                              "records ({\"messages\": [...]}) or texts ({\"text\": ...}), or a folder written by "
-                              "datasets' save_to_disk")] = "python-docs:calib"
+    text: Annotated[list[Text], BeforeValidator(_one_or_more), Field(min_length=1), doc(
+        "a named corpus (python-docs:calib), a text file or folder, a .jsonl file of chat records "
+        "({\"messages\": [...]}) or texts ({\"text\": ...}), or a folder written by datasets' save_to_disk; "
+        "or a list of them, mixed: their packed blocks taken in turn, one of each, until every one is used "
+        "up (so with num_tokens they come in equal parts)")] = dataclasses.field(
+            default_factory=lambda: ["python-docs:calib"])
     seq_len: Annotated[int_in(8, MAX_SEQ), doc("tokens per training block")] = 512
     num_tokens: Annotated[Optional[int_in(8, MAX_TOKENS)], doc("use at most this many tokens of it (null: all)")] = None
     format: Annotated[Literal[DATA_FORMATS], doc(

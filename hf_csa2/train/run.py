@@ -73,7 +73,7 @@ def check_inputs(recipe: Recipe, out: Path, *, resume: bool, overwrite: bool) ->
         if teacher is None:
             raise RecipeError(f"student={recipe.student!r} has no {OUTPUT_MARKER} naming its source; set teacher")
     _, teacher_path = resolve_source(teacher)
-    for text in [recipe.data.text] + list(recipe.eval.texts):
+    for text in list(recipe.data.text) + list(recipe.eval.texts):
         if not Path(text).expanduser().exists():
             resolve_text(text)
     inputs = [("student", student_path), ("teacher", teacher_path)]

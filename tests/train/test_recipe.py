@@ -15,6 +15,12 @@ def test_set_overrides_any_field_by_its_dotted_path():
     assert r.peft.alpha == 32 and r.loss.kind == "kd"  # untouched fields keep their defaults
 
 
+def test_data_text_is_one_text_or_a_list_to_mix():
+    assert load_recipe(None, ["student=x", "data.text=a.txt"]).data.text == ["a.txt"]
+    assert load_recipe(None, ["student=x", "data.text=[a.txt, b.txt]"]).data.text == ["a.txt", "b.txt"]
+    assert load_recipe(None, ["student=x"]).data.text == ["python-docs:calib"]
+
+
 def test_peft_null_trains_modules_directly():
     assert load_recipe(None, ["student=x", "peft=null", "trainable=all"]).peft is None
 
@@ -32,6 +38,8 @@ def test_peft_null_trains_modules_directly():
     (["student=x", "optim.lr"], ["--set 'optim.lr'", "FIELD=VALUE"]),
     (["student=x", "loss.positions=511"], ["loss.positions=511", "less than data.seq_len - 1 = 511"]),
     (["student=x", "peft.layers=[]"], ["peft.layers", "at least 1"]),
+    (["student=x", "data.text=[]"], ["data.text", "at least 1"]),
+    (["student=x", "data.text=3"], ["data.text", "a non-empty string"]),
     (["student=x", "peft.layers=[-1]"], ["peft.layers[0]=-1", "greater than or equal to 0"]),
 ])
 def test_bad_fields_name_the_field_and_what_is_allowed(sets, words):

@@ -323,6 +323,24 @@ def test_training_blocks_pack_text_and_chat_with_the_template(work, tmp_path):
     assert decoded.startswith("<user>Continue this text.") and "<assistant>" in decoded
 
 
+def test_several_texts_are_mixed_block_by_block_each_block_once(tmp_path):
+    from hf_csa2.train.data import training_blocks
+    from hf_csa2.train.recipe import DataSpec
+
+    tok = tiny_tokenizer()
+    (tmp_path / "a.txt").write_text("x " * 800)
+    (tmp_path / "b.txt").write_text("y " * 300)
+    spec = dict(text=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], seq_len=32, format="text")
+    alone = [len(training_blocks(DataSpec(**dict(spec, text=[t])), tok)) for t in spec["text"]]
+    mixed = training_blocks(DataSpec(**spec), tok)
+    first = [tok.decode(b["input_ids"].tolist()).split()[0] for b in mixed]  # every block one letter throughout
+    assert len(mixed) == sum(alone) and alone[0] > alone[1] > 2
+    assert first[:2 * alone[1]] == ["x", "y"] * alone[1]          # in turn while both last
+    assert first[2 * alone[1]:] == ["x"] * (alone[0] - alone[1])     # then the rest, none repeated
+    capped = training_blocks(DataSpec(**spec, num_tokens=4 * 32), tok)
+    assert [tok.decode(b["input_ids"].tolist()).split()[0] for b in capped] == ["x", "y"] * 2
+
+
 def test_copy_tasks_in_both_formats_and_not_on_chat_records(work, tmp_path):
     from hf_csa2.train.data import training_blocks, write_chat_jsonl
     from hf_csa2.train.recipe import DataSpec, RecipeError
