@@ -238,9 +238,10 @@ def _stage_answers(results: Results, key: str, first: bool = False) -> str:
 
 def readme_table(results: Results, presets: dict[str, str]) -> list[str]:
     """The README's compact table: per source, its presets' cache, ppl ratios on both corpora at 2K and
-    the answer check at 512 tokens (docs/presets.md has every column)."""
-    head = ["source / preset", "KV elements/token at 8K"] + [f"ppl ratio {c.split(':')[0]} {PPL_WINDOWS} × {PPL_WINDOW:,}"
-                                                               for c in CORPORA]
+    at 8K, and the answer check at 512 tokens (docs/presets.md has every column)."""
+    sizes = [(PPL_WINDOW, PPL_WINDOWS), (LONG_MAX, max(1, LONG_TOKENS // LONG_MAX))]
+    head = ["source / preset", "KV elements/token at 8K"] + [f"ppl ratio {c.split(':')[0]} {k} × {n:,}"
+                                                               for n, k in sizes for c in CORPORA]
     head += [f"answers far/near of 20, {c.split(':')[0]} @{ANSWER_CONTEXTS[0]}" for c in CORPORA]
     head.append("stage-report answer check (calibration text and length)")
     lines = [README_BEGIN, "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
@@ -249,8 +250,7 @@ def readme_table(results: Results, presets: dict[str, str]) -> list[str]:
         for key, label in [(src, f"**{source}** (source)")] + [(n, f"`{n}`") for n, s in presets.items() if s == source]:
             kv = results.get(key, "kv_per_token_8k")
             row = [label, f"{kv['value']:,.1f}" if kv else "–"]
-            for c in CORPORA:
-                m = f"ppl {c} {PPL_WINDOW}x{PPL_WINDOWS}"
+            for m in [f"ppl {c} {n}x{k}" for n, k in sizes for c in CORPORA]:
                 row.append(("1" if results.get(key, m) else "–") if key == src else _ratio(results, key, src, m))
             row += [_answers(results, key, f"answers {c} {ANSWER_CONTEXTS[0]}") for c in CORPORA]
             row.append(_stage_answers(results, key if key != src else next(

@@ -84,3 +84,13 @@ def test_merge_takes_what_a_parallel_run_measured_and_keeps_the_rest(table, tmp_
     assert reread.get("source:src", "ppl python-docs:heldout 2048x4")["value"] == 12.0
     assert reread.get("p", "ppl python-docs:heldout 2048x4")["value"] == 11.0
     assert ours.merge(theirs.path) == []
+
+
+def test_readme_table_has_both_corpora_at_2k_and_at_8k(table, tmp_path):
+    preset = dict(SOURCE, **{"ppl fortunes:heldout 8192x1": 20.0})
+    lines = table.readme_table(results(table, tmp_path, preset, SOURCE), {"p": "src"})
+    head, source_row, preset_row = lines[1], lines[3], lines[4]
+    assert "ppl ratio python-docs 4 × 2,048 | ppl ratio fortunes 4 × 2,048 | ppl ratio python-docs 1 × 8,192 | " \
+           "ppl ratio fortunes 1 × 8,192" in head
+    assert source_row.startswith("| **src** (source) | – | 1 | 1 | 1 | 1 |")
+    assert preset_row.startswith("| `p` | – | 1.000 | 1.000 | 1.000 | 1.250 |")
