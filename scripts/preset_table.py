@@ -90,6 +90,9 @@ class Results:
     def put(self, model: str, measure: str, value) -> None:
         self.data.setdefault(model, {})[measure] = {"value": value, "commit": commit(),
                                                    "date": time.strftime("%Y-%m-%d")}
+        self._save()
+
+    def _save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1))
@@ -105,7 +108,7 @@ class Results:
                 if self.data.get(model, {}).get(m) != entry:
                     self.data.setdefault(model, {})[m] = entry
                     taken.append(f"{model}: {m}")
-        self.path.write_text(json.dumps(self.data, indent=1))
+        self._save()
         return taken
 
 
