@@ -5,7 +5,7 @@ the README's results table).
     python scripts/preset_table.py [--presets NAME,...] [--steps convert,ppl,answers,needle,ppl-long]
         [--answer-contexts 512,2048]
         [--work runs/preset_table] [--results docs/presets.json] [--out docs/presets.md] [--headers] [--readme]
-        [--render-only] [--merge OTHER_RESULTS,...]
+        [--render-only] [--merge OTHER_RESULTS,...] [--long-contexts 4096,8192]
 
 Per preset (``conversion/<NAME>.yaml``, source read from its ``hf-csa2 convert SOURCE`` line):
   convert   the plan converted and saved to WORK/NAME (its stage report: calib ppl, KV elements/token)
@@ -112,15 +112,16 @@ class Results:
         return taken
 
 
-def long_contexts(config) -> list[int]:
+def long_contexts(config, only=None) -> list[int]:
     """The contexts above the 2K table column that ``ppl-long`` measures: 4K and the longest the source
-    supports up to 8K (one of them when they coincide, none above what the source supports)."""
+    supports up to 8K (one of them when they coincide, none above what the source supports); with
+    ``only``, just those of them in it (``--long-contexts``: one column now, the other later)."""
     longest = min(LONG_MAX, int(getattr(config, "max_position_embeddings", LONG_MAX) or LONG_MAX))
-    return sorted({n for n in (LONG_MIDDLE, longest) if PPL_WINDOW < n <= longest})
+    return sorted({n for n in (LONG_MIDDLE, longest) if PPL_WINDOW < n <= longest and (only is None or n in only)})
 
 
 def measure(results: Results, key: str, model, tokenizer, source: str, steps: list[str], log,
-            answer_contexts=ANSWER_CONTEXTS) -> None:
+            answer_contexts=ANSWER_CONTEXTS, long_only=None) -> None:
     if getattr(model.config, "csa2_read_path", None):
         model.config.csa2_read_path = "scores"  # exact like "gather", much faster at these lengths
     if "ppl" in steps:
@@ -151,7 +152,7 @@ def measure(results: Results, key: str, model, tokenizer, source: str, steps: li
                 {k: r[k] for k in ("category", "depth", "correct", "output")} for r in records]})
             log(f"{key}: {m} = {sum(r['correct'] for r in records)}/{len(records)}")
     if "ppl-long" in steps:
-        for n in long_contexts(model.config):
+        for n in long_contexts(model.config, long_only):
             for corpus in CORPORA:
                 count = max(1, LONG_TOKENS // n)
                 m = f"ppl {corpus} {n}x{count}"
@@ -366,6 +367,8 @@ def main() -> None:
     parser.add_argument("--steps", default=",".join(STEPS))
     parser.add_argument("--answer-contexts", default=",".join(map(str, ANSWER_CONTEXTS)),
                         help=f"answer-check contexts to measure now, of {ANSWER_CONTEXTS} (the table's columns)")
+    parser.add_argument("--long-contexts", help=f"of the ppl-long contexts ({LONG_MIDDLE} and the longest the source "
+                        f"supports up to {LONG_MAX}), measure only these now (comma-separated)")
     parser.add_argument("--work", default="runs/preset_table")
     parser.add_argument("--out", default="docs/presets.md")
     parser.add_argument("--results", default="docs/presets.json", help="the measurements (JSON), kept between refreshes")
@@ -379,6 +382,9 @@ def main() -> None:
     answer_contexts = tuple(int(c) for c in args.answer_contexts.split(","))
     if bad := [c for c in answer_contexts if c not in ANSWER_CONTEXTS]:
         raise SystemExit(f"--answer-contexts {bad}; allowed: {', '.join(map(str, ANSWER_CONTEXTS))}")
+    long_only = tuple(int(c) for c in args.long_contexts.split(",")) if args.long_contexts else None
+    if long_only and (bad := [c for c in long_only if not PPL_WINDOW < c <= LONG_MAX]):
+        raise SystemExit(f"--long-contexts {bad}; allowed: contexts above {PPL_WINDOW} up to {LONG_MAX}")
     if bad := [s for s in steps if s not in STEPS]:
         raise SystemExit(f"--steps {bad}; allowed: {', '.join(STEPS)}")
     paths = sorted((ROOT / "conversion").glob("*.yaml"))
@@ -399,7 +405,7 @@ def main() -> None:
     if not args.render_only:
         for source in dict.fromkeys(presets.values()):
             loaded = load_source(source)
-            measure(results, f"source:{source}", loaded.model, loaded.tokenizer, source, steps, log, answer_contexts)
+            measure(results, f"source:{source}", loaded.model, loaded.tokenizer, source, steps, log, answer_contexts, long_only)
             del loaded
             gc.collect()
             for name in [n for n, s in presets.items() if s == source]:
@@ -420,7 +426,7 @@ def main() -> None:
                 if not (out / "conversion_report.json").exists():
                     continue
                 loaded = load_source(out)
-                measure(results, name, loaded.model, loaded.tokenizer, source, steps, log, answer_contexts)
+                measure(results, name, loaded.model, loaded.tokenizer, source, steps, log, answer_contexts, long_only)
                 del loaded
                 gc.collect()
                 (ROOT / args.out).write_text(render(results, presets))

@@ -63,6 +63,13 @@ def test_long_contexts_are_4k_and_the_longest_the_source_supports(table, max_pos
     assert table.long_contexts(config) == expected
 
 
+@pytest.mark.parametrize("max_positions, only, expected", [(32768, (8192,), [8192]), (8192, (4096,), [4096]),
+                                                           (4096, (8192,), []), (6000, (4096, 6000), [4096, 6000])])
+def test_long_contexts_can_be_narrowed_to_the_ones_asked_for(table, max_positions, only, expected):
+    config = type("Config", (), {"max_position_embeddings": max_positions})()
+    assert table.long_contexts(config, only) == expected
+
+
 def test_long_columns_read_by_context_then_corpus(table, tmp_path):
     source = dict(SOURCE, **{"ppl fortunes:heldout 4096x2": 18.0, "ppl python-docs:heldout 4096x2": 9.0})
     _, long_ = table._ppl_keys(results(table, tmp_path, {}, source), "source:src")
