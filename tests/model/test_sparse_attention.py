@@ -284,3 +284,27 @@ def test_windowed_prefill_in_blocks_reads_cropped_stores_and_matches_the_oracle(
     want_grads = torch.autograd.grad(want.sum(), [segments[0].query, segments[0].keys, segments[0].values])
     for a, b in zip(grads, want_grads):
         assert torch.allclose(a, b, atol=1e-10)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_gather_entries_reads_each_indexed_row_and_routes_its_gradient(batch, layout):
+    """Every store layout a layer passes (a contiguous latent, a transposed [B, H, S, D] cache) gives
+    row ``index[b, t, n]`` of batch row b (padding -1 reads row 0), and the gradient adds up per row."""
+    g = torch.Generator().manual_seed(batch)
+    s, groups, d = 10, 2, 3
+    base = torch.randn(batch, s, groups, d, generator=g, dtype=torch.float64)
+    if layout == "transposed":
+        base = base.transpose(1, 2).contiguous()
+    base.requires_grad_(True)
+    store = base.transpose(1, 2) if layout == "transposed" else base
+    assert store.is_contiguous() == (layout == "contiguous")
+    index = random_index(batch, 4, 5, s, seed=batch)
+    out = sparse_attention.gather_entries(store, index)
+    expected = torch.stack([torch.stack([torch.stack([store[bi, max(int(j), 0)] for j in index[bi, ti]])
+                                         for ti in range(4)]) for bi in range(batch)])
+    assert torch.equal(out, expected)
+    weights = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((out * weights).sum(), base)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), base)
+    assert torch.allclose(grad, expected_grad)
