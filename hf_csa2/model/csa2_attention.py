@@ -352,9 +352,15 @@ class EntryReader(nn.Module):
         t = q_plain.shape[2]
         cos, sin = cos[:, -t:, dims][:, None], sin[:, -t:, dims][:, None]
         q_rope = (q_rope * cos + rotate_half(q_rope) * sin).transpose(1, 2)  # [B, T, HQ, 2m]
-        latent1 = torch.cat([latent[:, 0], latent.new_ones(b, s, 1)], dim=-1)  # [B, S, r+1]
-        keys = torch.cat([latent1, self.rope_slots(rope_part)], dim=-1)[:, :, None]  # [B, S, 1, r+1+2m]
-        segment = SparseSegment(torch.cat([q_lat, q_rope], dim=-1), keys, latent1[:, :, None], index)
+        # Every reader of this full layer reads the same store: built once per forward (in a decode
+        # step it is a copy of the whole latent cache, which each reader would otherwise repeat).
+        key = ("reader_store", tuple(self.slot_pairs), self.num_rope_heads)
+        if key not in scratch:
+            latent1 = torch.cat([latent[:, 0], latent.new_ones(b, s, 1)], dim=-1)  # [B, S, r+1]
+            keys = torch.cat([latent1, self.rope_slots(rope_part)], dim=-1)[:, :, None]  # [B, S, 1, r+1+2m]
+            scratch[key] = keys, latent1[:, :, None]
+        keys, values = scratch[key]
+        segment = SparseSegment(torch.cat([q_lat, q_rope], dim=-1), keys, values, index)
         return segment, v_up[kv_of_query]
 
 
