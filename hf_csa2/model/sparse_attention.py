@@ -170,7 +170,11 @@ def crop_to_reads(segment: SparseSegment) -> SparseSegment:
     attention sinks) touches about ``block + window`` rows, however long the prompt, which makes
     the ``scores`` path's matmul as cheap as the read itself."""
     real = segment.index >= 0
-    rows = torch.unique(segment.index[real])  # sorted
+    # The rows read, ascending: marks in a store-sized mask (no sort of the T x N index, which
+    # torch.unique would do).
+    read = torch.zeros(segment.keys.shape[1], dtype=torch.bool, device=segment.index.device)
+    read[segment.index[real]] = True
+    rows = read.nonzero().flatten()
     if rows.numel() == 0:
         return SparseSegment(segment.query, segment.keys[:, :1], segment.values[:, :1], segment.index)
     if rows.numel() == segment.keys.shape[1]:
