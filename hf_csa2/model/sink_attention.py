@@ -10,7 +10,8 @@ Two implementations, same contract:
 * :func:`eager_sink_attention` -- the readable reference (explicit logits, fp32 softmax).
 * :func:`sdpa_sink_attention` -- ``torch.nn.functional.scaled_dot_product_attention`` for the
   dense part, times the sink gate computed by a second fused call in which the sink is a
-  virtual key (one extra head dimension carries ``s_h``).
+  virtual key (one extra head dimension carries ``s_h``); on CPU without gradients one fused
+  call that also returns ``logsumexp(z)`` (the gate's other input), at half the cost.
 
 Shapes at the boundary (transformers' attention-interface layout):
     query [B, HQ, T, D], key/value [B, H, S, D] with HQ % H == 0 (head r reads KV head r // (HQ/H)),
@@ -120,10 +121,16 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     dropout_p = dropout if training else 0.0
     if sinks is not None and dropout_p > 0.0:
         raise ValueError("sdpa_sink_attention: dropout with sinks is not supported; use the eager path")
-    out = F.scaled_dot_product_attention(
-        query, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and t > 1, scale=scaling
-    )
-    if sinks is not None:
+    if sinks is not None and _lse_call_applies(query, k, v, sinks, dropout_p):
+        additive = None if mask is None else torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, k, v, 0.0, mask is None and t > 1, attn_mask=additive, scale=scaling)
+        out = out * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, hq, 1))[..., None]  # 1 - a_sink
+    else:
+        out = F.scaled_dot_product_attention(
+            query, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and t > 1, scale=scaling
+        )
+    if sinks is not None and not _lse_call_applies(query, k, v, sinks, dropout_p):
         q_ext = torch.cat([query, query.new_ones(b, hq, t, 1)], dim=-1)  # [B, HQ, T, D+1]
         sink_coord = (sinks.to(key.dtype) / scaling).view(1, hq, 1, 1).expand(b, hq, 1, 1)
         sink_key = torch.cat([key.new_zeros(b, hq, 1, d), sink_coord], dim=-1)  # [B, HQ, 1, D+1]
@@ -138,6 +145,15 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         empty = ~mask.any(dim=-1, keepdim=True)  # [B|1, 1, T, 1]
         out = out.masked_fill(empty, 0.0)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _lse_call_applies(query, key, value, sinks, dropout_p) -> bool:
+    """Whether the sink gate can come from the logsumexp of the one fused CPU call: on CPU, no
+    dropout, and no gradient wanted (that op's logsumexp output has none)."""
+    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, sinks))
+    return (query.device.type == "cpu" and dropout_p == 0.0 and not wants_grad
+            and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
 __all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "masked_logits", "sdpa_sink_attention"]

@@ -123,3 +123,20 @@ def test_very_negative_sink_is_exactly_dense():
         a, _ = impl(q, k, v, allowed, scaling=0.3, sinks=sinks)
         b, _ = impl(q, k, v, allowed, scaling=0.3, sinks=None)
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["masked", "causal", "decode"])
+def test_one_call_cpu_gate_equals_the_two_call_gate_and_the_oracle(case):
+    """Without gradients on CPU the sink gate comes from the fused call's logsumexp; with them, from
+    a second call with the sink as a virtual key. Both are the oracle's read, empty rows zeros."""
+    t, s = {"masked": (9, 11), "causal": (7, 7), "decode": (1, 12)}[case]
+    q, k, v, allowed, sinks = random_case(2, t, s, 6, 3, 10, seed=7, empty_row=case == "masked")
+    mask = allowed if case == "masked" else None
+    one, _ = sdpa_sink_attention(q, k, v, mask, scaling=0.3, sinks=sinks)
+    two, _ = sdpa_sink_attention(q.clone().requires_grad_(True), k, v, mask, scaling=0.3, sinks=sinks)
+    ref = oracle(q, k, v, allowed if mask is not None else
+                 (torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None])[None, None], 0.3, sinks)
+    torch.testing.assert_close(one.double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(two.detach().double(), ref, atol=2e-5, rtol=2e-5)
+    if case == "masked":
+        assert torch.all(one[0, 0] == 0)
