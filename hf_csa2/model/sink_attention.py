@@ -123,8 +123,12 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         raise ValueError("sdpa_sink_attention: dropout with sinks is not supported; use the eager path")
     if sinks is not None and _lse_call_applies(query, k, v, sinks, dropout_p):
         additive = None if mask is None else torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
+        # The op wants one head size: zero columns change no logit (q, k) and no read (v).
+        width, dv = max(d, v.shape[-1]), v.shape[-1]
+        q_, k_, v_ = (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (query, k, v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, k, v, 0.0, mask is None and t > 1, attn_mask=additive, scale=scaling)
+            q_, k_, v_, 0.0, mask is None and t > 1, attn_mask=additive, scale=scaling)
+        out = out[..., :dv]
         out = out * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, hq, 1))[..., None]  # 1 - a_sink
     else:
         out = F.scaled_dot_product_attention(

@@ -125,12 +125,15 @@ def test_very_negative_sink_is_exactly_dense():
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("value_dim", [10, 6, 13])
 @pytest.mark.parametrize("case", ["masked", "causal", "decode"])
-def test_one_call_cpu_gate_equals_the_two_call_gate_and_the_oracle(case):
+def test_one_call_cpu_gate_equals_the_two_call_gate_and_the_oracle(case, value_dim):
     """Without gradients on CPU the sink gate comes from the fused call's logsumexp; with them, from
-    a second call with the sink as a virtual key. Both are the oracle's read, empty rows zeros."""
+    a second call with the sink as a virtual key. Both are the oracle's read, empty rows zeros, also
+    when values are narrower or wider than queries (MLA's explicit path)."""
     t, s = {"masked": (9, 11), "causal": (7, 7), "decode": (1, 12)}[case]
     q, k, v, allowed, sinks = random_case(2, t, s, 6, 3, 10, seed=7, empty_row=case == "masked")
+    v = torch.randn(*v.shape[:-1], value_dim, generator=torch.Generator().manual_seed(8))
     mask = allowed if case == "masked" else None
     one, _ = sdpa_sink_attention(q, k, v, mask, scaling=0.3, sinks=sinks)
     two, _ = sdpa_sink_attention(q.clone().requires_grad_(True), k, v, mask, scaling=0.3, sinks=sinks)
