@@ -11,7 +11,8 @@ Two implementations, same contract:
 * :func:`sdpa_sink_attention` -- ``torch.nn.functional.scaled_dot_product_attention`` for the
   dense part, times the sink gate computed by a second fused call in which the sink is a
   virtual key (one extra head dimension carries ``s_h``); on CPU without gradients one fused
-  call that also returns ``logsumexp(z)`` (the gate's other input), at half the cost.
+  call that also returns ``logsumexp(z)`` (the gate's other input), at about the cost of the
+  call without sinks.
 
 Shapes at the boundary (transformers' attention-interface layout):
     query [B, HQ, T, D], key/value [B, H, S, D] with HQ % H == 0 (head r reads KV head r // (HQ/H)),
@@ -121,7 +122,8 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     dropout_p = dropout if training else 0.0
     if sinks is not None and dropout_p > 0.0:
         raise ValueError("sdpa_sink_attention: dropout with sinks is not supported; use the eager path")
-    if sinks is not None and _lse_call_applies(query, k, v, sinks, dropout_p):
+    one_call = sinks is not None and _lse_call_applies(query, k, v, sinks, dropout_p)
+    if one_call:
         additive = None if mask is None else torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
         # The op wants one head size: zero columns change no logit (q, k) and no read (v).
         width, dv = max(d, v.shape[-1]), v.shape[-1]
@@ -134,7 +136,7 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         out = F.scaled_dot_product_attention(
             query, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and t > 1, scale=scaling
         )
-    if sinks is not None and not _lse_call_applies(query, k, v, sinks, dropout_p):
+    if sinks is not None and not one_call:
         q_ext = torch.cat([query, query.new_ones(b, hq, t, 1)], dim=-1)  # [B, HQ, T, D+1]
         sink_coord = (sinks.to(key.dtype) / scaling).view(1, hq, 1, 1).expand(b, hq, 1, 1)
         sink_key = torch.cat([key.new_zeros(b, hq, 1, d), sink_coord], dim=-1)  # [B, HQ, 1, D+1]
