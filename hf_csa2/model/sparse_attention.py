@@ -124,8 +124,9 @@ def sparse_sink_attention(
         return_weights: also return the weights [B, T, H, sum N] (real entries only, in
             segment order; rows sum to ``1 - a_sink``).
 
-        query_block: queries processed together; rows are independent, so blocks only bound
-            the memory of the gathered entries (O(block * N * D)).
+        query_block: query rows (batch rows x positions) processed together; rows are
+            independent, so blocks only bound the memory of the gathered entries
+            (O(query_block * N * D), whatever the batch size).
         path: ``"auto"`` (:func:`auto_read_path`, per query block, on the store cut to the block's
             reads: :func:`crop_to_reads`), ``"gather"`` (the reference: gather the selected entries), ``"scores"`` (full
             logits then pick; see the module docstring) or ``"triton"`` (the fused kernel,
@@ -145,11 +146,12 @@ def sparse_sink_attention(
         if not return_weights:
             return _triton_read()(segments, scaling=scaling, sinks=sinks)
         path = "gather"  # the kernel never forms the weights
-    t = segments[0].query.shape[1]
+    b, t = segments[0].query.shape[:2]
+    step = max(1, query_block // b)  # a batch of 8 would otherwise gather 8x the entries per block
     parts = []
-    for i in range(0, t, query_block):
-        block = [SparseSegment(s.query[:, i : i + query_block], s.keys, s.values, s.index[:, i : i + query_block])
-                 for s in segments] if t > query_block else segments
+    for i in range(0, t, step):
+        block = [SparseSegment(s.query[:, i : i + step], s.keys, s.values, s.index[:, i : i + step])
+                 for s in segments] if t > step else segments
         if path != "gather":  # a long store read by a few entries per query (a window): cut it to what is read
             block = [crop_to_reads(s) if s.keys.shape[1] > SCORES_STORE_FACTOR * s.index.shape[-1] else s
                      for s in block]

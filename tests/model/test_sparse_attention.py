@@ -209,6 +209,25 @@ def test_query_blocks_do_not_change_the_result(path):
     assert (w1 - w2).abs().max() <= tol
 
 
+def test_query_block_counts_rows_of_the_whole_batch(monkeypatch):
+    """A batch of 2 with query_block=6 reads 3 positions per block (6 query rows), so the gathered
+    entries of a block take the same memory whatever the batch size."""
+    segments = make_segments(dtype=torch.float64)  # batch 2, 9 positions
+    seen = []
+    block_read = sparse_attention._sparse_block
+
+    def spy(block, *args):
+        seen.append(tuple(block[0].query.shape[:2]))
+        return block_read(block, *args)
+
+    monkeypatch.setattr(sparse_attention, "_sparse_block", spy)
+    blocked, _ = sparse_sink_attention(segments, scaling=0.4, query_block=6)
+    assert seen == [(2, 3)] * 3
+    whole, _ = sparse_sink_attention(segments, scaling=0.4)
+    for a, b in zip(whole, blocked):
+        assert torch.equal(a, b)
+
+
 def test_read_paths_agree_with_repeated_indices():
     """An entry listed twice is read twice on both paths (the scores path sums its weights)."""
     segments = make_segments(seed=3, dtype=torch.float64)
