@@ -91,13 +91,18 @@ def config_kv_elements_at_context(config, num_tokens: int) -> int:
 
 
 def cache_tensors(cache):
-    """Every tensor (dim > 1) held by the layers of a transformers Cache object."""
+    """Every tensor (dim > 1) held by the layers of a transformers Cache object (not the stores
+    the held tensors are views of: their spare rows hold no token)."""
     for layer in getattr(cache, "layers", []):
         yield from _layer_tensors(layer)
 
 
 def _layer_tensors(layer):
-    for value in vars(layer).values():
+    # Spare rows behind the held tensors (hf_csa2.model.preallocated_cache) are capacity, not entries.
+    stores = getattr(layer, "store_attributes", ())
+    for name, value in vars(layer).items():
+        if name in stores:
+            continue
         if isinstance(value, torch.Tensor) and value.dim() > 1:
             yield value
         elif isinstance(value, CacheLayerMixin):  # a cache layer inside another (a full layer's exact-window ring)

@@ -21,10 +21,11 @@ the source's latent to keys/values in this layer's own head space, absorbed into
 the read-out, and complex coefficients for the source's rope-key slots. One softmax spans the
 Top-K entries and the window, with per-head sinks.
 
-Cache: full layers use transformers' ``DynamicIndexedLayer`` (keys = latent ``[B, 1, S, r]``,
-values = rope part, ``indexer_keys`` ``[B, S, d_I]``; with ``exact_window`` a
-:class:`DynamicIndexedWindowLayer` that also holds the exact ring); the others ``DynamicSlidingWindowLayer``
-(their own ``[B, H, W-1, D]`` keys/values), or with ``sink_tokens: P`` a
+Cache (transformers' dynamic layers, appending in place: ``preallocated_cache.py``): full layers
+use a ``PreallocatedIndexedLayer`` (keys = latent ``[B, 1, S, r]``, values = rope part,
+``indexer_keys`` ``[B, S, d_I]``; with ``exact_window`` a :class:`DynamicIndexedWindowLayer` that
+also holds the exact ring); the others a ``PreallocatedSlidingWindowLayer`` (their own
+``[B, H, W-1, D]`` keys/values), or with ``sink_tokens: P`` a
 :class:`DynamicSinkWindowLayer` that also keeps the first P tokens once they leave the window. A cache built without knowledge of these layers
 (``DynamicCache()`` or ``DynamicCache(config=...)``) gets the right layer objects on first use.
 Layers find the entries of earlier layers through ``peers`` (the model's attention modules),
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicIndexedLayer, DynamicLayer, DynamicSlidingWindowLayer
 
 from .attention_base import apply_rotary, rotate_half
 from .configuration_hf_csa2 import as_layer_spec
@@ -47,6 +47,7 @@ from .dense_attention import DenseSinkAttention
 from .indexer import Indexer
 from .latent_attention import LatentAttention
 from .layer_specs import Csa2FullSpec, Csa2ReaderSpec, MlaSpec
+from .preallocated_cache import PreallocatedIndexedLayer, PreallocatedSlidingWindowLayer, own_cache_layer
 from .sparse_attention import SparseSegment, drop_padding, sparse_sink_attention, window_index
 
 
@@ -55,35 +56,7 @@ def read_path(config) -> str:
     return getattr(config, "csa2_read_path", "auto") or "auto"
 
 
-def cache_layer(cache, layer_idx: int, layer_type: type, **kwargs):
-    """The cache layer of ``layer_idx``, replaced by a fresh ``layer_type(**kwargs)`` when the
-    cache was built without knowing this layer's needs (it must still be empty then)."""
-    layers = cache.layers
-    while len(layers) <= layer_idx:
-        layers.append(DynamicLayer())
-    layer = layers[layer_idx]
-    fits = type(layer) is layer_type and all(getattr(layer, k, None) == v for k, v in kwargs.items())
-    if not fits:
-        if getattr(layer, "is_initialized", False) and layer.get_seq_length() > 0:
-            raise ValueError(
-                f"cache layer {layer_idx} is a {type(layer).__name__} holding tokens; a CSA2 layer needs "
-                f"{layer_type.__name__}{kwargs or ''} (use a DynamicCache)"
-            )
-        if not isinstance(layer, DynamicLayer):
-            raise ValueError(
-                f"CSA2 layers need a dynamic cache (DynamicCache); cache layer {layer_idx} is {type(layer).__name__}"
-            )
-        layer = layers[layer_idx] = layer_type(**kwargs)
-    return layer
-
-
-def own_cache_layer(attn: nn.Module, cache):
-    """The cache layer of a CSA2 attention module, of the class its ``cache_layer_kind()`` names."""
-    layer_type, kwargs = attn.cache_layer_kind()
-    return cache_layer(cache, attn.layer_idx, layer_type, **kwargs)
-
-
-class DynamicSinkWindowLayer(DynamicSlidingWindowLayer):
+class DynamicSinkWindowLayer(PreallocatedSlidingWindowLayer):
     """A sliding-window cache layer that keeps the first ``sink_tokens`` tokens for good once
     they leave the window (``sink_keys``/``sink_values`` ``[B, H, <=P, D]``; StreamingLLM's
     attention sinks). Every token is held once: after ``n`` tokens it holds ``min(n, W-1+P)``."""
@@ -150,15 +123,15 @@ class DynamicSinkWindowLayer(DynamicSlidingWindowLayer):
             self._map_sinks(lambda t: t.to(self.device, non_blocking=True))
 
 
-class DynamicIndexedWindowLayer(DynamicIndexedLayer):
+class DynamicIndexedWindowLayer(PreallocatedIndexedLayer):
     """A full layer's cache with ``exact_window``: its latent entries and index keys (every
-    token, as :class:`DynamicIndexedLayer`) plus a ring of its own exact keys/values of the
-    last ``sliding_window - 1`` tokens (``ring``, a :class:`DynamicSlidingWindowLayer`)."""
+    token, as :class:`PreallocatedIndexedLayer`) plus a ring of its own exact keys/values of the
+    last ``sliding_window - 1`` tokens (``ring``, a :class:`PreallocatedSlidingWindowLayer`)."""
 
     def __init__(self, sliding_window: int, **kwargs):
         super().__init__(**kwargs)
         self.sliding_window = sliding_window
-        self.ring = DynamicSlidingWindowLayer(sliding_window=sliding_window)
+        self.ring = PreallocatedSlidingWindowLayer(sliding_window=sliding_window)
 
     def update_window(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Exact keys/values [B, H, T, D] of this step -> the ring's rows plus them ([B, H, W', D])."""
@@ -231,7 +204,7 @@ class Csa2FullAttention(LatentAttention):
         """The cache layer class (and its arguments) this layer stores its entries in."""
         if self.exact_window:
             return DynamicIndexedWindowLayer, {"sliding_window": self.window}
-        return DynamicIndexedLayer, {}
+        return PreallocatedIndexedLayer, {}
 
     def window_segment(self, hidden_states, position_embeddings, layer, positions, starts=None) -> SparseSegment:
         """The last ``window`` positions read exactly: the source layer's own queries/keys/values
@@ -464,7 +437,7 @@ class Csa2ReaderAttention(DenseSinkAttention):
         """The cache layer class (and its arguments) of this layer's own window."""
         if self.sink_tokens:
             return DynamicSinkWindowLayer, {"sliding_window": self.window, "sink_tokens": self.sink_tokens}
-        return DynamicSlidingWindowLayer, {"sliding_window": self.window}
+        return PreallocatedSlidingWindowLayer, {"sliding_window": self.window}
 
     @property
     def kv_of_query(self) -> torch.Tensor:

@@ -47,6 +47,7 @@ from torch import nn
 from .attention_base import SINK_OFF, AttentionBase, rotate_half
 from .configuration_hf_csa2 import MLA_ATTENTION_PATHS, as_layer_spec
 from .layer_specs import MlaSpec
+from .preallocated_cache import PreallocatedLayer, PreallocatedSlidingWindowLayer, own_cache_layer
 
 
 def rms_norm_eps(norm: nn.Module) -> float:
@@ -270,6 +271,13 @@ class LatentAttention(AttentionBase):
         cos, sin = self._rope_cos_sin(position_embeddings, self.rope_dims[rope_head])
         return q_nope, q_rope * cos + rotate_half(q_rope) * sin
 
+    def cache_layer_kind(self) -> tuple[type, dict]:
+        """The cache layer class (and its arguments) of this layer's latent entries: one that
+        appends in place (a decode step copies no earlier entry); a window for sliding layers."""
+        if self.sliding_window:
+            return PreallocatedSlidingWindowLayer, {"sliding_window": self.sliding_window}
+        return PreallocatedLayer, {}
+
     def use_absorbed(self, q_len: int) -> bool:
         path = getattr(self.config, "mla_attention_path", "auto") or "auto"
         if path not in MLA_ATTENTION_PATHS:  # the config checks at load; this catches later edits
@@ -282,6 +290,7 @@ class LatentAttention(AttentionBase):
         b, t, _ = hidden_states.shape
         latent, rope_part = self.compress(hidden_states, position_embeddings)
         if cache is not None:
+            own_cache_layer(self, cache, required=False)
             latent, rope_part = cache.update(latent, rope_part, self.layer_idx, kwargs=kwargs)
         q_nope, q_rope = self.queries(hidden_states, position_embeddings)
         k_rope, k_scale = self._split_cached(rope_part)

@@ -139,14 +139,14 @@ class Csa2ForCausalLM(Csa2PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
-        # CSA2 layers need their own cache layer classes; build them before the first forward so
+        # CSA2 and MLA layers have their own cache layer classes; build them before the first forward so
         # that generate's cache hooks (past recording for assisted decoding) reach them.
         out = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("cache")
         if cache is not None and hasattr(cache, "layers") and cache.get_seq_length() == 0:
             for layer in self.model.layers:
-                if hasattr(layer.self_attn, "cache_layer_kind"):
-                    own_cache_layer(layer.self_attn, cache)
+                if hasattr(layer.self_attn, "cache_layer_kind"):  # a cache that cannot take it: the forward says so
+                    own_cache_layer(layer.self_attn, cache, required=False)
         return out
 
     @property

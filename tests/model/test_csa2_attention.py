@@ -161,8 +161,8 @@ def test_prefill_chunked_prefill_and_decode_agree_for_every_mode(arch, exact_win
             got, cache = incremental_logits(model, x, chunks)
             assert (got - full).abs().max() <= 1e-4, chunks
     kinds = [type(layer).__name__ for layer in cache.layers]
-    full = "DynamicIndexedWindowLayer" if exact_window else "DynamicIndexedLayer"
-    assert kinds == [full] + ["DynamicSlidingWindowLayer"] * 4
+    full = "DynamicIndexedWindowLayer" if exact_window else "PreallocatedIndexedLayer"
+    assert kinds == [full] + ["PreallocatedSlidingWindowLayer"] * 4
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
