@@ -123,8 +123,7 @@ def exact_window(attn, source_attn, far: bool = True) -> None:
         top = attn.indexer.select(iq, iw, index_keys, positions, attn.top_k, attn.window)
         read = top if far else torch.full_like(top, -1)
         q_nope, q_rope = attn.queries(hidden_states, position_embeddings)
-        k_rope, k_scale = attn._split_cached(rope_part)
-        q_l, k_l, latent1, v_up = attn.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
+        q_l, k_l, latent1, v_up = attn.absorbed_operands(q_nope, q_rope, latent, rope_part)
         own = SparseSegment(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                             window_index(positions, attn.window).expand(b, -1, -1))
         entries = SparseSegment(q_l.transpose(1, 2), k_l.transpose(1, 2), latent1.transpose(1, 2), read)

@@ -249,10 +249,7 @@ class Csa2FullAttention(LatentAttention):
             index = torch.cat([top, drop_padding(window_index(positions, self.window).expand(b, -1, -1), starts)], dim=-1)
 
         q_nope, q_rope = self.queries(hidden_states, position_embeddings)
-        k_rope, k_scale = self._split_cached(rope_part)
-        q, k, latent1, v_up = self.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
-        if self.num_rope_heads == 1 and k_scale is None:
-            k = k[:, :1]  # every KV head reads the same entries: keep one group
+        q, k, latent1, v_up = self.absorbed_operands(q_nope, q_rope, latent, rope_part, layer)
         segments.append(SparseSegment(q.transpose(1, 2), k.transpose(1, 2), latent1.transpose(1, 2), index))
         outs, _ = sparse_sink_attention(segments, scaling=self.scaling, sinks=self.sinks, path=read_path(self.config))
         out = torch.einsum("bthr,hdr->bthd", outs[-1], v_up[self.kv_of_query])  # [B, T, HQ, D]
@@ -260,7 +257,7 @@ class Csa2FullAttention(LatentAttention):
             out = out + outs[0]
         self.scratch = {
             "latent": latent, "rope": rope_part, "index_keys": index_keys, "top_k": top,
-            "position_embeddings": position_embeddings,
+            "position_embeddings": position_embeddings, "cache_layer": layer,
         }
         return out.reshape(b, t, -1).contiguous(), None
 
@@ -300,6 +297,12 @@ class EntryReader(nn.Module):
         slots = rope_part[:, 0, :, : 2 * len(self.slot_pairs)].reshape(b, s, self.num_rope_heads, 2, n)
         return slots.transpose(2, 3).reshape(b, s, 2 * len(self.slot_pairs))
 
+    def store_rows(self, latent: torch.Tensor, rope_part: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows lo..hi-1 of the store a reader reads: [latent, 1, rope slots] [B, hi-lo, 1, r+1+2m]."""
+        latent, rope_part = latent[:, :, lo:hi], rope_part[:, :, lo:hi]
+        latent1 = torch.cat([latent[:, 0], latent.new_ones(latent.shape[0], hi - lo, 1)], dim=-1)  # [B, S, r+1]
+        return torch.cat([latent1, self.rope_slots(rope_part)], dim=-1)[:, :, None]
+
     def segment(self, q_plain: torch.Tensor, kv_of_query: torch.Tensor, scratch: dict, index: torch.Tensor,
                 scaling: float):
         """Read operands for the source entries.
@@ -327,11 +330,15 @@ class EntryReader(nn.Module):
         q_rope = (q_rope * cos + rotate_half(q_rope) * sin).transpose(1, 2)  # [B, T, HQ, 2m]
         # Every reader of this full layer reads the same store: built once per forward (in a decode
         # step it is a copy of the whole latent cache, which each reader would otherwise repeat).
+        # With a cache the store is kept beside it and grows by this step's rows only.
         key = ("reader_store", tuple(self.slot_pairs), self.num_rope_heads)
         if key not in scratch:
-            latent1 = torch.cat([latent[:, 0], latent.new_ones(b, s, 1)], dim=-1)  # [B, S, r+1]
-            keys = torch.cat([latent1, self.rope_slots(rope_part)], dim=-1)[:, :, None]  # [B, S, 1, r+1+2m]
-            scratch[key] = keys, latent1[:, :, None]
+            layer = scratch.get("cache_layer")
+            if hasattr(layer, "derived_rows"):
+                keys = layer.derived_rows(repr(key), lambda lo, hi: self.store_rows(latent, rope_part, lo, hi), s, dim=1)
+            else:
+                keys = self.store_rows(latent, rope_part, 0, s)
+            scratch[key] = keys, keys[..., : self.kv_lora_rank + 1]  # values: latent1, the first r+1 columns
         keys, values = scratch[key]
         segment = SparseSegment(torch.cat([q_lat, q_rope], dim=-1), keys, values, index)
         return segment, v_up[kv_of_query]

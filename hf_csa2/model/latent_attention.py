@@ -289,14 +289,15 @@ class LatentAttention(AttentionBase):
         """Everything but ``o_proj``: hidden_states [B, T, hidden] -> ([B, T, HQ*D], weights or None)."""
         b, t, _ = hidden_states.shape
         latent, rope_part = self.compress(hidden_states, position_embeddings)
+        layer = None
         if cache is not None:
-            own_cache_layer(self, cache, required=False)
+            layer = own_cache_layer(self, cache, required=False)
             latent, rope_part = cache.update(latent, rope_part, self.layer_idx, kwargs=kwargs)
         q_nope, q_rope = self.queries(hidden_states, position_embeddings)
-        k_rope, k_scale = self._split_cached(rope_part)
         if self.use_absorbed(t):
-            out, weights = self._absorbed(q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs)
+            out, weights = self._absorbed(q_nope, q_rope, latent, rope_part, attention_mask, layer, **kwargs)
         else:
+            k_rope, k_scale = self._split_cached(rope_part)
             out, weights = self._explicit(q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs)
         return out.reshape(b, t, -1).contiguous(), weights
 
@@ -323,28 +324,51 @@ class LatentAttention(AttentionBase):
         k, v = self._explicit_keys_values(latent, k_rope, k_scale)
         return self.attend(torch.cat([q_nope, q_rope], dim=-1), k, v, attention_mask, **kwargs)
 
-    def absorbed_operands(self, q_nope, q_rope, latent, k_rope, k_scale):
+    def absorbed_operands(self, q_nope, q_rope, latent, rope_part, layer=None):
         """Queries/keys/values of the absorbed path: the latent itself is read.
 
-        Returns (q [B, HQ, T, r+1+2n], k [B, H, S, r+1+2n], values = latent1 [B, 1, S, r+1],
-        v_up [H, D, r+1]); the output of head r is ``v_up[kv(r)] @ (sum_j p_j latent1_j)``.
+        Returns (q [B, HQ, T, r+1+2n], k [B, H or 1, S, r+1+2n] (one key head when every KV head
+        reads the same keys), values = latent1 [B, 1, S, r+1], v_up [H, D, r+1]); the output of
+        head r is ``v_up[kv(r)] @ (sum_j p_j latent1_j)``. ``layer``: this layer's cache layer; one
+        that keeps derived rows (``preallocated_cache``) keeps k and latent1, so that a decode step
+        computes them for its own rows only instead of copying the whole cache into them.
         """
-        b, _, s, _ = latent.shape
         k_up, v_up = self._up_weights()  # [H, D_nope, r+1], [H, D, r+1]
-        if k_scale is not None:
+        if self.k_norm is not None:  # keys carry a QK-norm scale: its gain goes into the query side
             gain = self._key_gain(self.nope_dims[self.rope_of_kv]).to(k_up.dtype)  # [H, D_nope]
             k_up = k_up * gain[..., None]
         # q~ = W_UK^T q_nope per query head, with the bias column giving q_nope . b_k.
         q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, k_up[self.kv_of_query])  # [B, HQ, T, r+1]
+        if not hasattr(layer, "derived_rows"):
+            k, latent1 = self.absorbed_keys(latent, rope_part)
+        else:
+            s = latent.shape[2]
+
+            def rows(i):
+                return lambda lo, hi: self.absorbed_keys(latent[:, :, lo:hi], rope_part[:, :, lo:hi])[i]
+
+            k = layer.derived_rows("absorbed_keys", rows(0), s)
+            # one key head: its first r+1 columns are latent1
+            latent1 = k[..., : self.kv_lora_rank + 1] if k.shape[1] == 1 else layer.derived_rows("latent1", rows(1), s)
+        return torch.cat([q_lat, q_rope], dim=-1), k, latent1, v_up
+
+    def absorbed_keys(self, latent: torch.Tensor, rope_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached rows (latent [B, 1, S, r], rope part [B, 1, S, X]) -> (absorbed keys
+        [B, H or 1, S, r+1+2n], latent1 [B, 1, S, r+1]), each row from its own row only."""
+        k_rope, k_scale = self._split_cached(rope_part)  # [B, H, S, 2n], [B, H, S] or None
+        b, _, s, _ = latent.shape
         latent1 = torch.cat([latent, latent.new_ones(b, 1, s, 1)], dim=-1)  # [B, 1, S, r+1]
         if k_scale is None:
-            k_lat = latent1.expand(b, self.num_key_value_heads, s, -1)
+            if self.num_rope_heads == 1:
+                k_rope = k_rope[:, :1]  # every KV head has the same keys
+            k_lat = latent1.expand(b, k_rope.shape[1], s, -1)
         else:
             k_lat = latent1 * k_scale[..., None]  # [B, H, S, r+1]
-        return torch.cat([q_lat, q_rope], dim=-1), torch.cat([k_lat, k_rope], dim=-1), latent1, v_up
+        return torch.cat([k_lat, k_rope], dim=-1), latent1
 
-    def _absorbed(self, q_nope, q_rope, latent, k_rope, k_scale, attention_mask, **kwargs):
-        q, k, latent1, v_up = self.absorbed_operands(q_nope, q_rope, latent, k_rope, k_scale)
+    def _absorbed(self, q_nope, q_rope, latent, rope_part, attention_mask, layer=None, **kwargs):
+        q, k, latent1, v_up = self.absorbed_operands(q_nope, q_rope, latent, rope_part, layer)
+        k = k.expand(-1, self.num_key_value_heads, -1, -1)
         out_lat, weights = self.attend(q, k, latent1, attention_mask, **kwargs)  # [B, T, HQ, r+1]
         out = torch.einsum("bthr,hdr->bthd", out_lat, v_up[self.kv_of_query])
         return out, weights

@@ -8,6 +8,8 @@ with spare rows behind the held tensor, write a step's rows into it, and hand ou
 * :class:`PreallocatedLayer` / :class:`PreallocatedIndexedLayer` -- every token kept (latent
   entries, index keys); a full store is reallocated with ``1/8`` more rows than it holds
   (at least :data:`MIN_SPARE_ROWS`), so a decode step copies O(1) rows on average;
+  They also keep rows derived from theirs (:meth:`PreallocatedLayer.derived_rows`: the absorbed
+  keys an MLA or CSA2 full layer reads, the store CSA2 readers read), grown the same way;
 * :class:`PreallocatedSlidingWindowLayer` -- the last ``sliding_window - 1`` tokens; its store
   holds the window plus ``window / 4`` spare rows (at least :data:`MIN_SPARE_ROWS`), and when
   they run out the window moves to a fresh store.
@@ -106,13 +108,56 @@ class PreallocatedLayer(DynamicLayer):
         self.value_store, self.values, _ = append_rows(self.value_store, self.values, value_states, -2)
         return self.keys, self.values
 
+    def derived_rows(self, name: str, rows_of, total: int, dim: int = -2) -> torch.Tensor:
+        """A tensor computed row by row from this layer's rows (e.g. an MLA layer's absorbed keys
+        ``[latent, 1, rope]``), kept beside them so that a step computes only its own rows.
+
+        Args:
+            name: what is derived (one entry per name).
+            rows_of: ``rows_of(lo, hi)`` -> the derived rows of cached rows ``lo..hi-1``.
+            total: rows the layer holds now.
+            dim: the sequence dimension of the derived tensor.
+
+        Returns the derived rows of all ``total`` rows. Anything that reorders, selects or crops
+        the cache drops what was kept (:meth:`forget_derived`).
+        """
+        kept = self.__dict__.setdefault("derived", {})
+        store, held = kept.get(name, (None, None))
+        done = 0 if held is None or held.shape[dim] > total else held.shape[dim]
+        if done == 0:
+            store = held = None
+        store, held, _ = append_rows(store, held, rows_of(done, total), dim)
+        kept[name] = (store, held)
+        return held
+
+    def forget_derived(self) -> None:
+        self.__dict__.pop("derived", None)
+
     def reset(self) -> None:
         self.key_store = self.value_store = None
+        self.forget_derived()
         super().reset()
 
     def offload(self):
         self.key_store = self.value_store = None
+        self.forget_derived()
         super().offload()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.forget_derived()
+        super().crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.forget_derived()
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.forget_derived()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.forget_derived()
+        super().batch_select_indices(indices)
 
 
 class PreallocatedIndexedLayer(PreallocatedLayer, DynamicIndexedLayer):

@@ -126,3 +126,25 @@ def test_under_autograd_rows_are_concatenated_not_written_in_place():
     assert store is None and full.grad_fn is not None and torch.equal(full[:, :, :4], held)
     full.sum().backward()
     assert torch.equal(held.grad, torch.ones_like(held))
+
+
+def test_derived_rows_are_computed_once_per_row_and_dropped_when_the_cache_changes():
+    layer = PreallocatedLayer()
+    gen = torch.Generator().manual_seed(0)
+    asked = []
+
+    def derive(lo, hi):  # a row-wise function of the held keys
+        asked.append((lo, hi))
+        return layer.keys[:, :, lo:hi] * 2 + 1
+
+    for t in (5, 1, 1, 3):
+        layer.update(*states(gen, t))
+        got = layer.derived_rows("twice", derive, layer.get_seq_length())
+        assert torch.equal(got, layer.keys * 2 + 1)
+    assert asked == [(0, 5), (5, 6), (6, 7), (7, 10)]
+    for change in (lambda: layer.reorder_cache(torch.tensor([1, 0])), lambda: layer.crop(-2),
+                   lambda: layer.batch_select_indices(torch.tensor([1]))):
+        change()
+        layer.update(*states(gen, 1))
+        got = layer.derived_rows("twice", derive, layer.get_seq_length())
+        assert asked[-1] == (0, layer.get_seq_length()) and torch.equal(got, layer.keys * 2 + 1)
