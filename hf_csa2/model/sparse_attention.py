@@ -68,14 +68,27 @@ def grouped_read(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.einsum("btgrn,btngd->btgrd", w, values.to(weights.dtype)).reshape(b, t, h, -1)
 
 
-def segment_logits(segment: SparseSegment, scaling: float) -> torch.Tensor:
-    """Scaled logits [B, T, H, N] of one segment, -inf where the index is -1."""
+def segment_logits(segment: SparseSegment, scaling: float, return_keys: bool = False):
+    """Scaled logits [B, T, H, N] of one segment, -inf where the index is -1 (and, with
+    ``return_keys``, the gathered keys [B, T, N, G, Dk])."""
     q = segment.query
     b, t, h, d = q.shape
     keys = gather_entries(segment.keys, segment.index)  # [B, T, N, G, Dk]
     g = keys.shape[3]
     logits = torch.einsum("btgrd,btngd->btgrn", q.view(b, t, g, h // g, d), keys).reshape(b, t, h, -1)
-    return (logits * scaling).masked_fill(segment.index[:, :, None, :] < 0, float("-inf"))
+    logits = (logits * scaling).masked_fill(segment.index[:, :, None, :] < 0, float("-inf"))
+    return (logits, keys) if return_keys else logits
+
+
+def gathered_values(segment: SparseSegment, gathered_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The values of a segment's entries [B, T, N, G, Dv]; when the values are the keys' leading
+    columns (an absorbed latent store: keys ``[latent, 1, rope]``, values ``[latent, 1]``), a slice of
+    the keys already gathered instead of a second gather."""
+    keys, values = segment.keys, segment.values
+    if (gathered_keys is not None and values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()
+            and values.shape[:-1] == keys.shape[:-1] and values.shape[-1] <= keys.shape[-1]):
+        return gathered_keys[..., : values.shape[-1]]
+    return gather_entries(values, segment.index)
 
 
 TORCH_READ_PATHS = ("gather", "scores")  # plain torch: run anywhere, any float dtype
@@ -153,7 +166,10 @@ def sparse_sink_attention(
         block = [SparseSegment(s.query[:, i : i + step], s.keys, s.values, s.index[:, i : i + step])
                  for s in segments] if t > step else segments
         if path != "gather":  # a long store read by a few entries per query (a window): cut it to what is read
-            block = [crop_to_reads(s) if s.keys.shape[1] > SCORES_STORE_FACTOR * s.index.shape[-1] else s
+            width = sum(s.index.shape[-1] for s in block)
+            # "auto" reads through "scores" only when the cut store is short: a longer cut is not worth its copy
+            limit = SCORES_STORE_FACTOR * width if path == "auto" else None
+            block = [crop_to_reads(s, limit) if s.keys.shape[1] > SCORES_STORE_FACTOR * s.index.shape[-1] else s
                      for s in block]
         block_path = path if path != "auto" else auto_read_path(
             device, False, store_rows=max(s.keys.shape[1] for s in block),
@@ -165,9 +181,11 @@ def sparse_sink_attention(
     return outputs, (torch.cat([p[1] for p in parts], dim=1) if return_weights else None)
 
 
-def crop_to_reads(segment: SparseSegment) -> SparseSegment:
+def crop_to_reads(segment: SparseSegment, max_rows: int | None = None) -> SparseSegment:
     """The same read over a shorter store: keys/values cut to the rows ``segment.index`` names
-    (in store order: a slice when they are one run), the index renumbered to match (-1 stays -1).
+    (in store order: a slice when they are one run), the index renumbered to match (-1 stays -1);
+    the segment unchanged when more than ``max_rows`` rows are read (a batch of decode steps that
+    each read their own Top-K rows: gathering them per query is cheaper than cutting the store).
     On a long prefill a block of queries that reads its window (and a few first tokens kept as
     attention sinks) touches about ``block + window`` rows, however long the prompt, which makes
     the ``scores`` path's matmul as cheap as the read itself."""
@@ -179,7 +197,7 @@ def crop_to_reads(segment: SparseSegment) -> SparseSegment:
     rows = read.nonzero().flatten()
     if rows.numel() == 0:
         return SparseSegment(segment.query, segment.keys[:, :1], segment.values[:, :1], segment.index)
-    if rows.numel() == segment.keys.shape[1]:
+    if rows.numel() == segment.keys.shape[1] or (max_rows is not None and rows.numel() > max_rows):
         return segment
     lo, hi = int(rows[0]), int(rows[-1]) + 1
     if hi - lo == rows.numel():  # one run of rows: a view
@@ -234,8 +252,14 @@ def _triton_read():
 def _sparse_block(segments, scaling, sinks, return_weights, path="gather"):
     query = segments[0].query
     compute = torch.promote_types(query.dtype, torch.float32)
-    logits_of = segment_logits if path == "gather" else scored_logits
-    logits = [logits_of(s, scaling).to(compute) for s in segments]
+    gathered_keys = {}
+    if path == "gather":
+        logits = []
+        for s in segments:
+            z, gathered_keys[id(s)] = segment_logits(s, scaling, return_keys=True)
+            logits.append(z.to(compute))
+    else:
+        logits = [scored_logits(s, scaling).to(compute) for s in segments]
     sizes = [z.shape[-1] for z in logits]
     z = torch.cat(logits, dim=-1)  # [B, T, H, N_total]
     if sinks is not None:
@@ -252,7 +276,8 @@ def _sparse_block(segments, scaling, sinks, return_weights, path="gather"):
     outputs = []
     for segment, w in zip(segments, p.split(sizes, dim=-1)):
         if path == "gather":
-            read = grouped_read(w, gather_entries(segment.values, segment.index))  # gathered [B, T, N, G', Dv]
+            values = gathered_values(segment, gathered_keys.get(id(segment)))
+            read = grouped_read(w, values)  # gathered [B, T, N, G', Dv]
         else:
             read = scattered_read(w, segment)
         outputs.append(read.to(query.dtype))
@@ -278,5 +303,5 @@ def drop_padding(index: torch.Tensor, starts: torch.Tensor | None, first_positio
     return index.masked_fill(index + first_position < starts[:, None, None], -1)
 
 
-__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "auto_read_path", "drop_padding", "gather_entries", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
+__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "auto_read_path", "drop_padding", "gather_entries", "gathered_values", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
            "sparse_sink_attention", "window_index"]

@@ -327,3 +327,28 @@ def test_gather_entries_reads_each_indexed_row_and_routes_its_gradient(batch, la
     (grad,) = torch.autograd.grad((out * weights).sum(), base)
     (expected_grad,) = torch.autograd.grad((expected * weights).sum(), base)
     assert torch.allclose(grad, expected_grad)
+
+
+def test_a_cut_longer_than_the_limit_leaves_the_segment_as_it_is():
+    (seg,) = window_segments()
+    block = SparseSegment(seg.query[:, 20:30], seg.keys, seg.values, seg.index[:, 20:30])
+    assert crop_to_reads(block, max_rows=15).keys.shape[1] == 15  # 15 rows read: cut
+    assert crop_to_reads(block, max_rows=14) is block  # a cut of 15 rows is not worth its copy
+
+
+def test_values_that_are_the_keys_leading_columns_are_sliced_from_the_gathered_keys(monkeypatch):
+    """An absorbed latent store: keys [latent, 1, rope], values [latent, 1] = a view of the keys' first
+    columns. One gather serves both, with the same result as separate values."""
+    g = torch.Generator().manual_seed(0)
+    store = torch.randn(2, 11, 1, 9, generator=g, dtype=torch.float64)
+    query = torch.randn(2, 5, 4, 9, generator=g, dtype=torch.float64)
+    index = random_index(2, 5, 4, 11, 0)
+    shared = SparseSegment(query, store, store[..., :6], index)
+    separate = SparseSegment(query, store, store[..., :6].clone(), index)
+    calls = []
+    gather = sparse_attention.gather_entries
+    monkeypatch.setattr(sparse_attention, "gather_entries", lambda *a: calls.append(1) or gather(*a))
+    (a,), _ = sparse_sink_attention([shared], scaling=0.3, path="gather")
+    assert len(calls) == 1
+    (b,), _ = sparse_sink_attention([separate], scaling=0.3, path="gather")
+    assert len(calls) == 3 and torch.equal(a, b)
