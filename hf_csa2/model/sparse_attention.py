@@ -84,11 +84,21 @@ def gathered_values(segment: SparseSegment, gathered_keys: torch.Tensor | None =
     """The values of a segment's entries [B, T, N, G, Dv]; when the values are the keys' leading
     columns (an absorbed latent store: keys ``[latent, 1, rope]``, values ``[latent, 1]``), a slice of
     the keys already gathered instead of a second gather."""
-    keys, values = segment.keys, segment.values
-    if (gathered_keys is not None and values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()
-            and values.shape[:-1] == keys.shape[:-1] and values.shape[-1] <= keys.shape[-1]):
-        return gathered_keys[..., : values.shape[-1]]
-    return gather_entries(values, segment.index)
+    if gathered_keys is not None and leading_columns(segment.values, segment.keys):
+        return gathered_keys[..., : segment.values.shape[-1]]
+    return gather_entries(segment.values, segment.index)
+
+
+def leading_columns(values: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether ``values`` is a view of the first columns of ``keys`` (same rows, same strides)."""
+    return (values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()
+            and values.shape[:-1] == keys.shape[:-1] and values.shape[-1] <= keys.shape[-1])
+
+
+def select_rows(store: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """store [B, S, ...] at rows [R] (dim 1) -> [B, R, ...]; a strided store (a view of a cache with
+    spare rows) is indexed in place: index_select would first copy all of it."""
+    return store.index_select(1, rows) if store.is_contiguous() else store[:, rows]
 
 
 TORCH_READ_PATHS = ("gather", "scores")  # plain torch: run anywhere, any float dtype
@@ -204,7 +214,9 @@ def crop_to_reads(segment: SparseSegment, max_rows: int | None = None) -> Sparse
         keys, values = segment.keys[:, lo:hi], segment.values[:, lo:hi]
         index = segment.index - lo
     else:
-        keys, values = segment.keys.index_select(1, rows), segment.values.index_select(1, rows)
+        keys = select_rows(segment.keys, rows)
+        values = (keys[..., : segment.values.shape[-1]] if leading_columns(segment.values, segment.keys)
+                  else select_rows(segment.values, rows))
         index = torch.searchsorted(rows, segment.index.clamp(min=0))
     return SparseSegment(segment.query, keys, values, torch.where(real, index, segment.index))
 
