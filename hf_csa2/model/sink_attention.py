@@ -12,7 +12,8 @@ Two implementations, same contract:
   dense part, times the sink gate computed by a second fused call in which the sink is a
   virtual key (one extra head dimension carries ``s_h``); on CPU without gradients one fused
   call that also returns ``logsumexp(z)`` (the gate's other input), at about the cost of the
-  call without sinks.
+  call without sinks; for one query position without gradients (decode)
+  :func:`grouped_decode_attention`, one matmul per KV head, keys never repeated per query head.
 
 Shapes at the boundary (transformers' attention-interface layout):
     query [B, HQ, T, D], key/value [B, H, S, D] with HQ % H == 0 (head r reads KV head r // (HQ/H)),
@@ -114,12 +115,14 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     """
     b, hq, t, d = query.shape
     s = key.shape[2]
+    dropout_p = dropout if training else 0.0
+    if t == 1 and dropout_p == 0.0 and not _wants_grad(query, key, value, sinks):
+        return grouped_decode_attention(query, key, value, attention_mask, scaling=scaling, sinks=sinks)
     k = expand_kv(key, hq)
     v = expand_kv(value, hq)
     # SDPA's is_causal is top-left aligned: only usable when queries and keys coincide.
     implicit_causal = attention_mask is None and (t == s or t == 1)
     mask = None if implicit_causal else allowed_mask(attention_mask, t, s, query.device)
-    dropout_p = dropout if training else 0.0
     if sinks is not None and dropout_p > 0.0:
         raise ValueError("sdpa_sink_attention: dropout with sinks is not supported; use the eager path")
     one_call = sinks is not None and _lse_call_applies(query, k, v, sinks, dropout_p)
@@ -153,13 +156,56 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out.transpose(1, 2).contiguous(), None
 
 
+def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, *, scaling: float,
+                             sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+    """One query position (a decode step) with sinks, as one product per KV head: the HQ/H query
+    heads of a group are rows of one matmul against their KV head's keys and values, which are
+    never repeated per query head (MQA, or MLA's absorbed read where every query head reads the
+    one latent: a head dimension broadcast with stride 0 counts as one head).
+
+    query [B, HQ, 1, Dk], key [B, H, S, Dk], value [B, H', S, Dv] (H' = H or 1); mask as
+    :func:`sdpa_sink_attention` (None = every key). Returns ``(out [B, 1, HQ, Dv], None)``;
+    a row with no allowed key gives zeros.
+    """
+    if key.shape[1] > 1 and key.stride(1) == 0:
+        key = key[:, :1]
+    if value.shape[1] > 1 and value.stride(1) == 0:
+        value = value[:, :1]
+    b, hq, t, dk = query.shape
+    h, s = key.shape[1], key.shape[2]
+    if value.shape[1] != h:
+        value = value.expand(b, h, s, value.shape[-1])
+    compute = torch.promote_types(query.dtype, torch.float32)
+    q = query.reshape(b, h, hq // h * t, dk)  # query head r = kv * (HQ/H) + j: row j of KV head kv
+    z = torch.matmul(q, key.transpose(-1, -2)).to(compute) * scaling  # [B, H, HQ/H, S]
+    if attention_mask is not None:
+        z = z.masked_fill(~allowed_mask(attention_mask, t, s, query.device), float("-inf"))
+    peak = z.amax(dim=-1, keepdim=True)
+    sink = None if sinks is None else sinks.to(compute).view(1, h, hq // h, 1)
+    if sink is not None:
+        peak = torch.maximum(peak, sink)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    e = torch.exp(z - peak)
+    denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - peak)
+    out = torch.matmul(e, value.to(compute)) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return out.reshape(b, hq, t, -1).transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _wants_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
 def _lse_call_applies(query, key, value, sinks, dropout_p) -> bool:
     """Whether the sink gate can come from the logsumexp of the one fused CPU call: on CPU, no
     dropout, and no gradient wanted (that op's logsumexp output has none)."""
-    wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value, sinks))
+    wants_grad = _wants_grad(query, key, value, sinks)
     return (query.device.type == "cpu" and dropout_p == 0.0 and not wants_grad
             and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "masked_logits", "sdpa_sink_attention"]
+__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "grouped_decode_attention", "masked_logits",
+           "sdpa_sink_attention"]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_csa2.model.sink_attention import eager_sink_attention, sdpa_sink_attention
+from hf_csa2.model.sink_attention import eager_sink_attention, grouped_decode_attention, sdpa_sink_attention
 
 
 def oracle(q, k, v, allowed, scale, sinks):
@@ -143,3 +143,36 @@ def test_one_call_cpu_gate_equals_the_two_call_gate_and_the_oracle(case, value_d
     torch.testing.assert_close(two.detach().double(), ref, atol=2e-5, rtol=2e-5)
     if case == "masked":
         assert torch.all(one[0, 0] == 0)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 6])
+@pytest.mark.parametrize("mask", ["none", "bool", "additive", "empty"])
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_decode_step_reads_per_kv_head_and_matches_the_oracle(kv_heads, mask, with_sinks):
+    """One query position without gradients: one matmul per KV head group (no key repeated per query
+    head) gives the oracle's read, with bool or additive masks, and zeros for a row with no key."""
+    q, k, v, allowed, sinks = random_case(3, 1, 13, 6, kv_heads, 10, seed=11, empty_row=mask == "empty")
+    sinks = sinks if with_sinks else None
+    given = {"none": None, "bool": allowed, "empty": allowed,
+             "additive": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)}[mask]
+    with torch.no_grad():
+        out, _ = sdpa_sink_attention(q, k, v, given, scaling=0.3, sinks=sinks)
+        direct, _ = grouped_decode_attention(q, k, v, given, scaling=0.3, sinks=sinks)
+    ref = oracle(q, k, v, torch.ones_like(allowed) if mask == "none" else allowed, 0.3, sinks)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+    assert torch.equal(out, direct)
+    if mask == "empty":
+        assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+
+
+def test_decode_step_takes_a_broadcast_head_as_one_head():
+    """MLA's absorbed read: every query head reads one latent, passed expanded (stride 0) to the KV heads."""
+    q, k, v, _, sinks = random_case(2, 1, 9, 6, 1, 8, seed=12)
+    with torch.no_grad():
+        shared, _ = grouped_decode_attention(q, k, v, None, scaling=0.3, sinks=sinks)
+        expanded, _ = grouped_decode_attention(q, k.expand(-1, 3, -1, -1), v.expand(-1, 3, -1, -1), None,
+                                               scaling=0.3, sinks=sinks)
+        repeated, _ = grouped_decode_attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1), None,
+                                               scaling=0.3, sinks=sinks)
+    torch.testing.assert_close(shared, expanded, atol=0, rtol=0)
+    torch.testing.assert_close(shared, repeated, atol=1e-6, rtol=1e-6)
