@@ -177,6 +177,42 @@ def test_csa2_full_layers_selecting_everything_equal_the_mla_model(mla_quarter, 
 
 
 @pytest.mark.slow
+def test_csa2_read_paths_and_padded_batches_agree_on_the_real_checkpoint(smollm2, mla_quarter, texts):
+    """The CPU path (``csa2_read_path: auto``: cut stores, one-matmul reads, caches appending in place,
+    derived stores) against the reference read (``gather``): the same maths (fp64 logits equal to
+    rounding), and in fp32 64 greedy tokens identical; a left-padded batch generates what each row
+    generates alone. Top-K 128 + window 64 over at most 192 positions selects every earlier one, so
+    no near-tie in a pick can make the runs differ. (In fp32 the logits of the two paths differ by up
+    to ~1e-3 on this conversion: its reads amplify rounding, which fp64 shows to be rounding.)"""
+    modes = (["full", "reuse", "reindex", "reuse", "swa"] * 6)
+    model = csa2_from(smollm2.model, mla_quarter, modes, window=64, top_k=128)
+    x = texts["heldout"][:1, :192]
+    prompt = x[:, :128]
+    with torch.no_grad():
+        model.double()
+        exact = {}
+        for path in ("gather", "auto"):
+            model.config.csa2_read_path = path
+            exact[path] = model(x).logits
+        model.float()
+        tokens = {}
+        for path in ("gather", "auto"):
+            model.config.csa2_read_path = path
+            tokens[path] = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)
+        short = texts["heldout"][1:2, :100]
+        batch = torch.cat([prompt, torch.cat([torch.full((1, 28), smollm2.tokenizer.eos_token_id), short], dim=1)])
+        mask = torch.ones_like(batch)
+        mask[1, :28] = 0
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=64, do_sample=False, min_new_tokens=64)
+        alone = model.generate(short, max_new_tokens=64, do_sample=False, min_new_tokens=64)
+    model.config.csa2_read_path = "auto"
+    assert (exact["auto"] - exact["gather"]).abs().max() <= 1e-8
+    assert torch.equal(tokens["auto"], tokens["gather"])
+    assert torch.equal(together[0], tokens["auto"][0])
+    assert torch.equal(together[1, 28:], alone[0])
+
+
+@pytest.mark.slow
 def test_csa2_prefill_chunked_prefill_and_decode_agree_at_2k_tokens(smollm2, mla_quarter):
     """Chunked prefill + decode reproduce one forward over 2K tokens when they make the same
     Top-K picks. Hard selection flips on near-ties when fp32 rounding differs between the
