@@ -14,6 +14,10 @@
     hf-csa2 plan SOURCE --kv-budget X --plan BASE_YAML --out PLAN_YAML [--context 8192] [--swa-pass]
                  [--no-retrieval-scan] [--retrieval-mode lowrank|full] [--keep-full LAYERS]
     hf-csa2 export DIR --format deepseek_v3 --out OUT [--overwrite]
+    hf-csa2 push DIR REPO_ID [--private] [--revision BRANCH] [--create-pr] [--commit-message M]
+                 [--format native|deepseek_v3] [--dry-run] [--include PATTERN] [--license ID] [--base-model ID]
+                 [--eval RESULT.json ...]
+    hf-csa2 card DIR [--repo-id REPO_ID] [--out FILE] [--license ID] [--base-model ID] [--eval RESULT.json ...]
 """
 
 from __future__ import annotations
@@ -53,16 +57,16 @@ from .evals.ppl import compare_ppl, format_ppl_table, write_ppl_json
 from .evals.window_baseline import parse_window_model, window_model
 from .evals.report import ReportSettings, write_report
 from .export.deepseek_v3 import export_checkpoint
+from .publish import PushOptions, push, write_card
 from .io.output import check_output_file, check_results_dir
 from .io.sources import instruction_tuned, load_source, peek_config, resolve_source
 from .metrics.answer_check import make_probes
 from .metrics.retrieval_layers import scan_retrieval_layers, sufficient_far_layers
 from .metrics.kv_cache import (
-    QK_NORM_MODEL_TYPES,
     config_kv_elements_at_context,
     config_kv_elements_per_token,
-    layer_attention_specs,
-    layer_kv_elements_per_token,
+    described_layers,
+    format_layer_table,
     measure_kv_elements_at_context,
     measure_kv_elements_per_token,
     measurement_length,
@@ -247,6 +251,13 @@ def _train(args) -> int:
     return 0
 
 
+def _command(args) -> str:
+    """The command line that ran, as written into result files (quoted where a shell needs it)."""
+    import shlex
+
+    return "hf-csa2 " + shlex.join(args.argv)
+
+
 def _compare_on_text(args, run, table, write) -> int:
     """Every model of ``args.models`` (loaded one at a time) measured on ``args.text`` by
     ``run(entries)``; the ``table`` printed, the JSON written by ``write(results, path)`` with --json."""
@@ -264,7 +275,7 @@ def _eval_ppl(args) -> int:
     return _compare_on_text(
         args, lambda entries: compare_ppl(entries, args.text, window=args.window, max_windows=args.max_windows,
                                           batch_size=args.batch_size),
-        format_ppl_table, write_ppl_json)
+        format_ppl_table, lambda results, path: write_ppl_json(results, path, command=_command(args)))
 
 
 def _eval_answers(args) -> int:
@@ -372,7 +383,7 @@ def _eval_needle(args) -> int:
         results[name] = score_records(samples, outputs)
         del loaded
         gc.collect()
-    paths = write_reports(results, args.out, settings)
+    paths = write_reports(results, args.out, {**settings, "command": _command(args)})  # not in the journal: resumable
     print(paths["table"])
     _log(f"wrote {paths['json']}, {paths['markdown']} and {len(paths['heatmaps'])} heatmaps")
     return 0
@@ -424,7 +435,7 @@ def _eval_report(args) -> int:
     loaded = [_load(name, args) for name in args.models]
     settings.prompt_style = _prompt_style(loaded[0].tokenizer, args.prompt_style, args.models[0])
     models = [(name, src.model, src.tokenizer) for name, src in zip(args.models, loaded)]
-    path = write_report(models, args.out, settings, command="hf-csa2 " + " ".join(args.argv), log=_log)
+    path = write_report(models, args.out, settings, command=_command(args), log=_log)
     print(path.read_text())
     return 0
 
@@ -438,7 +449,7 @@ def _bench(args) -> int:
     rows = bench(models, lengths, new_tokens=args.new_tokens, repeats=args.repeats, batch=args.batch, log=_log)
     print(format_bench_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": rows, "command": _command(args)}, indent=1))
     return 0
 
 
@@ -475,11 +486,8 @@ def _float_list(text: str, flag: str) -> list[float]:
 def _inspect(args) -> int:
     loaded = _load(args.model, args)
     cfg = loaded.model.config
-    layers = layer_attention_specs(cfg)
+    layers = described_layers(cfg)
     head_dim = attention_head_dim(cfg)
-    qk_norm = getattr(cfg, "base_model_type", cfg.model_type) in QK_NORM_MODEL_TYPES
-    for spec in layers:
-        spec["kv_elements_per_token"] = layer_kv_elements_per_token(spec, head_dim, qk_norm)
     info = {
         "model": args.model,
         "architecture": type(loaded.model).__name__,
@@ -500,17 +508,7 @@ def _inspect(args) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"{info['model']}: {info['architecture']} ({info['base_model_type']}), {cfg.num_attention_heads} query heads, head_dim {head_dim}")
-    print("| layer | kind | kv heads | latent | rope key | sinks | window | KV elements/token |")
-    print("|---:|---|---:|---:|---:|---|---:|---:|")
-    for i, s in enumerate(layers):
-        latent = s.get("kv_lora_rank", "-")
-        rope = sum(2 * len(p) for p in s["rope_pairs"]) if "rope_pairs" in s else "-"
-        kind = s["kind"] if s["kind"] != "csa2" else f"csa2 {s['mode']}" + (f" <- {s['source']}" if "source" in s else "")
-        if "top_k" in s:
-            kind += f" (top-{s['top_k']}, window {s['read_window']})"
-        print(f"| {i} | {kind} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
-              f"{s['window'] or '-'}{' + first ' + str(s['sink_tokens']) if s.get('sink_tokens') else ''} | "
-              f"{s['kv_elements_per_token']} |")
+    print(format_layer_table(layers))
     print(f"KV elements per token: config {info['kv_elements_per_token_config']}, "
           f"measured from the live cache after a {info['measured_with_tokens']}-token prefill {info['kv_elements_per_token_measured']:.0f}")
     if args.context:
@@ -523,6 +521,24 @@ def _export(args) -> int:
     out = export_checkpoint(args.model, args.out, args.format, overwrite=args.overwrite,
                             trust_remote_code=args.trust_remote_code)
     _log(f"saved {out} ({args.format}; loads with AutoModelForCausalLM, no remote code)")
+    return 0
+
+
+def _push_options(args) -> PushOptions:
+    return PushOptions(private=getattr(args, "private", False), revision=getattr(args, "revision", None),
+                       create_pr=getattr(args, "create_pr", False), commit_message=getattr(args, "commit_message", None),
+                       format=getattr(args, "format", "native"), include=tuple(getattr(args, "include", None) or ()),
+                       license=args.license, base_model=args.base_model, eval_files=tuple(args.eval or ()))
+
+
+def _push(args) -> int:
+    push(args.folder, args.repo_id, _push_options(args), dry_run=args.dry_run, log=_log)
+    return 0
+
+
+def _card(args) -> int:
+    path = write_card(args.folder, args.out, args.repo_id, _push_options(args))
+    _log(f"wrote {path}")
     return 0
 
 
@@ -601,7 +617,7 @@ def _plan(args) -> int:
     print(table)
     base.csa2.layers, base.csa2.full_every = result.final.modes, None
     base.context = args.context  # convert then reports the KV cost at the context the budget was set for
-    header = [f"CSA2 layer plan chosen by: hf-csa2 {' '.join(args.argv)}",
+    header = [f"CSA2 layer plan chosen by: {_command(args)}",
               f"budget {budget:.1f} KV elements/token at a {args.context}-token context "
               f"(source {source_kv:.1f}); {result.evaluations} plans scored on the calibration windows.",
               f"chosen: full layers {result.chosen.full_layers or 'none'}, calib ppl {result.chosen.calib_ppl:.3f}"
@@ -844,7 +860,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
     _trust_flag(p)
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("push", help="validate a converted, exported or uplifted folder, write its model card and "
+                                    "upload it to the Hugging Face Hub")
+    p.add_argument("folder", help="checkpoint folder (convert/export output, train's merged/) or train's adapter/")
+    p.add_argument("repo_id", help="Hub repository OWNER/NAME (created if missing)")
+    p.add_argument("--private", action="store_true", help="create the repository private")
+    p.add_argument("--revision", help="branch to upload to (created if missing)")
+    p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    p.add_argument("--commit-message")
+    p.add_argument("--format", default="native", help="native, or deepseek_v3 (exported first; MLA checkpoints)")
+    p.add_argument("--dry-run", action="store_true", help="validate, print the files, sizes and card; upload nothing")
+    p.add_argument("--include", action="append", metavar="PATTERN",
+                   help="also publish files matching PATTERN (glob on the relative path; pickles never)")
+    _card_flags(p)
+    p.set_defaults(func=_push)
+
+    p = sub.add_parser("card", help="write only the model card (README.md) of a folder")
+    p.add_argument("folder")
+    p.add_argument("--repo-id", help="the repository the card names (default USER/<folder name>)")
+    p.add_argument("--out", help="card file to write (default FOLDER/README.md)")
+    _card_flags(p)
+    p.set_defaults(func=_card)
     return parser
+
+
+def _card_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--license", help="license identifier, when the source's is not recorded (e.g. apache-2.0)")
+    p.add_argument("--base-model", help="the base model's Hub ID, when not recorded (adapters: the converted "
+                                        "checkpoint they adapt)")
+    p.add_argument("--eval", action="append", metavar="RESULT.json",
+                   help="results to state on the card: eval ppl --json, eval needle's needle.json, bench --json")
 
 
 def main(argv: list[str] | None = None) -> int:

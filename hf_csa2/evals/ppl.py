@@ -171,15 +171,17 @@ def write_ppl_json(
     window: int = _UNSET,
     max_windows: int | None = _UNSET,
     text: str | os.PathLike = _UNSET,
+    command: str | None = None,
 ) -> None:
     """Write results as strict JSON::
 
         {"results": [{"model", "ppl", "tokens", "nll", "ratio"}, ...],
-         "window": W, "max_windows": N or null, "text": "<text spec as given>"}
+         "window": W, "max_windows": N or null, "text": "<text spec as given>", "command": "..."}
 
     ``window``/``max_windows``/``text`` default to the attributes of a
     ``PplResults`` from ``compare_ppl``; pass them explicitly for a plain list.
-    Non-finite ``ppl``/``nll``/``ratio`` are written as ``null``. Parent
+    Non-finite ``ppl``/``nll``/``ratio`` are written as ``null``; ``command`` (the
+    command line that measured them, when given) is kept for model cards. Parent
     directories are created.
     """
     meta = {}
@@ -201,6 +203,7 @@ def write_ppl_json(
             for r in results
         ],
         **meta,
+        **({"command": command} if command else {}),
     }
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .output import OUTPUT_MARKER, check_output_dir, write_folder_atomically
+from .trust import write_code_manifest
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, overwrite: bool = False,
@@ -18,7 +19,9 @@ def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, overwrite: 
     are checked again first (``inputs`` are the folders and files it must not touch).
 
     The folder always holds :data:`OUTPUT_MARKER` (the report; an empty one when
-    ``extra_files`` has none), which marks it as written by hf-csa2.
+    ``extra_files`` has none), which marks it as written by hf-csa2, and, when ``save_pretrained``
+    copied model code next to the weights, :data:`~.trust.CODE_MANIFEST` (the code files' hashes,
+    checked again before the folder is published).
     """
     extra_files = {OUTPUT_MARKER: json.dumps({"stages": []}), **(extra_files or {})}
     check_output_dir(out_dir, overwrite=overwrite, inputs=inputs)
@@ -29,6 +32,7 @@ def save_checkpoint(model, tokenizer, out_dir: str | os.PathLike, *, overwrite: 
             tokenizer.save_pretrained(tmp)
         for name, text in extra_files.items():
             (tmp / name).write_text(text)
+        write_code_manifest(tmp)
 
     return write_folder_atomically(out_dir, write, overwrite=overwrite)
 

