@@ -1,8 +1,10 @@
 """The ``hf-csa2`` command line: one tool, subcommands.
 
     hf-csa2 convert SOURCE (--plan YAML | --to gqa --kv-heads N [--init ...]) [--sinks] [--set S.F=V] --out DIR
+                    [--push-to-hub REPO_ID [--private] [--license ID] [--base-model ID]]
     hf-csa2 distill SOURCE CONVERTED --out DIR [--steps N] [--lr X] [--trainable attention|all]
     hf-csa2 train RECIPE.yaml [--set FIELD=VALUE ...] [--out DIR] [--resume [DIR]] [--overwrite]
+                  [--push-to-hub REPO_ID [--private] [--license ID] [--base-model ID]]
     hf-csa2 eval ppl MODEL [MODEL ...] --text FILE_OR_DIR [--window 512] [--max-windows N] [--json OUT]
     hf-csa2 eval needle MODEL [MODEL ...] --out DIR [--lengths 1024,2048,4096] [--per-cell 4]
     hf-csa2 eval lm MODEL --tasks T1,T2 [--metadata JSON] [--include_path DIR]
@@ -58,6 +60,7 @@ from .evals.window_baseline import parse_window_model, window_model
 from .evals.report import ReportSettings, write_report
 from .export.deepseek_v3 import export_checkpoint
 from .publish import PushOptions, push, write_card
+from .publish.push import check_push_after
 from .io.output import check_output_file, check_results_dir
 from .io.sources import instruction_tuned, load_source, peek_config, resolve_source
 from .metrics.answer_check import make_probes
@@ -216,9 +219,13 @@ def _convert(args) -> int:
         data = {"gqa": gqa if args.to == "gqa" else None, "sinks": {} if args.sinks else None}
     data["calibration"] = {**(data.get("calibration") or {}), **args.calibration_flags.values(args)}
     plan = ConversionPlan.from_dict(set_fields(data, args.set or []))
+    if args.push_to_hub:
+        check_push_after(args.push_to_hub, args.source, _push_options(args))
     result = convert(args.source, plan, out_dir=args.out, overwrite=args.overwrite, log=_log, plan_path=args.plan,
                      trust_remote_code=args.trust_remote_code, revision=args.revision, offline=args.offline or None)
     print(format_report_table(result.report))
+    if args.push_to_hub:
+        push(args.out, args.push_to_hub, _push_options(args), log=_log)
     return 0
 
 
@@ -237,7 +244,11 @@ def _train(args) -> int:
         out = f"runs/train/{Path(args.recipe).stem}"
     elif isinstance(args.resume, str) and args.out and Path(args.resume).absolute() != Path(args.out).absolute():
         raise RecipeError(f"--resume {args.resume!r} and --out {args.out!r} name different folders; give one")
+    if args.push_to_hub:
+        check_push_after(args.push_to_hub, recipe.student, _push_options(args))
     report = run_recipe(recipe, out, resume=resume, overwrite=args.overwrite, log=_log)
+    if args.push_to_hub:
+        push(Path(out) / "merged", args.push_to_hub, _push_options(args), log=_log)
     history = [h for h in report["history"] if any(k.endswith("_ppl_ratio") for k in h)]
     if history:
         last = history[-1]
@@ -525,7 +536,7 @@ def _export(args) -> int:
 
 
 def _push_options(args) -> PushOptions:
-    return PushOptions(private=getattr(args, "private", False), revision=getattr(args, "revision", None),
+    return PushOptions(private=getattr(args, "private", False), revision=getattr(args, "hub_revision", None),
                        create_pr=getattr(args, "create_pr", False), commit_message=getattr(args, "commit_message", None),
                        format=getattr(args, "format", "native"), include=tuple(getattr(args, "include", None) or ()),
                        license=args.license, base_model=args.base_model, eval_files=tuple(args.eval or ()))
@@ -688,6 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (HF checkpoint); never an input or a folder holding one")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
     _trust_flag(p)
+    _push_flags(p, "the converted folder")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("distill", help="(more) distillation of a converted checkpoint toward its source")
@@ -708,6 +720,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const=True, metavar="DIR",
                    help="continue from the newest checkpoint in --out (or DIR)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder that hf-csa2 wrote")
+    _push_flags(p, "the merged checkpoint (OUT/merged)")
     p.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="evaluate models").add_subparsers(dest="eval_command", required=True,
@@ -866,7 +879,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("folder", help="checkpoint folder (convert/export output, train's merged/) or train's adapter/")
     p.add_argument("repo_id", help="Hub repository OWNER/NAME (created if missing)")
     p.add_argument("--private", action="store_true", help="create the repository private")
-    p.add_argument("--revision", help="branch to upload to (created if missing)")
+    p.add_argument("--revision", dest="hub_revision", help="branch to upload to (created if missing)")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
     p.add_argument("--commit-message")
     p.add_argument("--format", default="native", help="native, or deepseek_v3 (exported first; MLA checkpoints)")
@@ -883,6 +896,15 @@ def build_parser() -> argparse.ArgumentParser:
     _card_flags(p)
     p.set_defaults(func=_card)
     return parser
+
+
+def _push_flags(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--push-to-hub", metavar="REPO_ID", help=f"then publish {what} as hf-csa2 push does (checked "
+                                                            "before any work starts)")
+    p.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    p.add_argument("--license", help="with --push-to-hub: license identifier, when the source's is not recorded")
+    p.add_argument("--base-model", help="with --push-to-hub: the source's Hub ID, when not recorded")
+    p.set_defaults(eval=None)
 
 
 def _card_flags(p: argparse.ArgumentParser) -> None:

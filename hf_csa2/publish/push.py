@@ -60,6 +60,25 @@ def check_options(repo_id: str, options: PushOptions) -> None:
         raise PublishError("; ".join(problems))
 
 
+def check_push_after(repo_id: str, origin: str, options: PushOptions) -> None:
+    """For ``convert`` / ``train`` ``--push-to-hub``: the flags, and that the card will know the
+    base model and license of ``origin`` (the source, or the converted student), checked before
+    any work starts so a long run does not end in a refused upload."""
+    from .provenance import folder_provenance, source_provenance
+    from ..io.output import OUTPUT_MARKER
+
+    check_options(repo_id, options)
+    path = Path(origin)
+    found = folder_provenance(path) if (path / OUTPUT_MARKER).is_file() else source_provenance(origin)
+    missing = []
+    if not (options.base_model or found.base_model):
+        missing.append(f"--push-to-hub: the Hub repository of {origin!r} is unknown; give --base-model REPO_ID")
+    if not (options.license or found.license):
+        missing.append(f"--push-to-hub: the license of {origin!r} is unknown; give --license ID (e.g. apache-2.0)")
+    if missing:
+        raise PublishError("; ".join(missing))
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -169,5 +188,5 @@ def write_card(folder: str | os.PathLike, out: str | os.PathLike | None, repo_id
     return path
 
 
-__all__ = ["LARGE_FOLDER_BYTES", "PUSH_FORMATS", "PushOptions", "check_options", "format_file_list", "push",
+__all__ = ["LARGE_FOLDER_BYTES", "PUSH_FORMATS", "PushOptions", "check_options", "check_push_after", "format_file_list", "push",
            "staged_folder", "write_card"]

@@ -303,3 +303,40 @@ def test_an_adapter_folder_is_published_with_its_converted_base(folder, tmp_path
     assert card.data.base_model == REPO and card.data.to_dict()["base_model_relation"] == "adapter"
     assert card.data.license == "apache-2.0" and "peft" in card.data.tags and "mqa" in card.data.tags
     assert f'PeftModel.from_pretrained(base, "someone/tiny-lora")' in card.text
+
+
+def test_convert_push_to_hub_checks_license_before_work_then_uploads(converted, tmp_path, monkeypatch, no_hub, capsys):
+    args = ["convert", str(converted / "src"), "--to", "gqa", "--kv-heads", "1", "--calib-text",
+            str(converted / "calib.txt"), "--calib-tokens", "1024", "--calib-seq-len", "256", "--out",
+            str(tmp_path / "out"), "--push-to-hub", REPO]
+    assert cli_main(args) == 2
+    assert "license of" in capsys.readouterr().err and not (tmp_path / "out").exists()  # refused before converting
+    api = RecordingApi()
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda: api)
+    assert cli_main(args + ["--license", "mit", "--base-model", "org/tiny-llama", "--private"]) == 0
+    assert api.calls[0] == ("create_repo", REPO, {"repo_type": "model", "private": True, "exist_ok": True})
+    assert set(api.uploaded) == expected_files(tmp_path / "out")
+    assert "license: mit" in api.uploaded["README.md"].decode()
+
+
+def test_format_deepseek_v3_publishes_the_stock_export_without_model_code(tmp_path):
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    from hf_csa2.surgery.mla import apply_mla
+    from hf_csa2.surgery.plan import MlaPlan
+
+    plan = MlaPlan(kv_lora_rank=6, qk_rope_head_dim=6, rope_key="shared", latent_norm=True, uniform_rope=True)
+    model = apply_mla(tiny_model("llama", num_kv_heads=1), plan,
+                      windows=torch.randint(3, 128, (4, 32), generator=torch.Generator().manual_seed(1)))[0]
+    model.save_pretrained(tmp_path / "mla")
+    tiny_tokenizer().save_pretrained(tmp_path / "mla")
+    api = RecordingApi()
+    result = push(tmp_path / "mla", REPO, PushOptions(format="deepseek_v3", license="mit", base_model="org/t"), api=api,
+                  log=lambda m: None)
+    assert not any(f.endswith(".py") for f in api.uploaded) and "model.safetensors" in api.uploaded
+    assert json.loads(api.uploaded["config.json"])["model_type"] == "deepseek_v3"
+    card = ModelCard(result["card"])
+    assert "mla" in card.data.tags and "trust_remote_code" not in card.text
+    assert not (tmp_path / "mla" / "README.md").exists()  # the folder itself is never written

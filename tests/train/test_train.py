@@ -385,3 +385,25 @@ def test_an_exportable_mla_student_stays_exportable(work, tmp_path):
     with torch.no_grad():
         assert (merged(x).logits - student(x).logits).abs().max() > 1e-4  # training changed it
         assert (to_deepseek_v3(merged)(x).logits - merged(x).logits).abs().max() <= 1e-4
+
+
+def test_merged_and_adapter_outputs_publish_with_the_runs_last_evaluation(trained, tmp_path):
+    """`hf-csa2 push` of train's outputs (dry run): the card states the run's last held-out ratio
+    and KL as logged, the merged folder's base is the source, the adapter's the converted student."""
+    from huggingface_hub import ModelCard
+
+    from hf_csa2.publish import PushOptions, push
+
+    out, report = trained
+    last = [h for h in report["history"] if "eval_text_ppl_ratio" in h][-1]
+    options = PushOptions(license="apache-2.0", base_model="org/tiny-llama")
+    merged = ModelCard(push(out / "merged", "me/tiny-mla-uplifted", options, dry_run=True, log=lambda m: None)["card"])
+    stated = {r.metric_type: r.metric_value for r in merged.data.eval_results}
+    assert stated["uplift_ppl_ratio"] == round(last["eval_text_ppl_ratio"], 4)
+    assert stated["uplift_kl"] == round(last["eval_text_kl"], 4)
+    assert f"for {report['steps']} steps" in merged.text and merged.data.to_dict()["base_model_relation"] == "finetune"
+    adapter = push(out / "adapter", "me/tiny-mla-lora", PushOptions(license="apache-2.0", base_model="me/tiny-mla"),
+                   dry_run=True, log=lambda m: None)
+    assert set(adapter["files"]) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    card = ModelCard(adapter["card"])
+    assert card.data.base_model == "me/tiny-mla" and card.data.to_dict()["base_model_relation"] == "adapter"
