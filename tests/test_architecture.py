@@ -19,7 +19,8 @@ LAYERS = {
     "engine": 3,
     "surgery": 4,
     "evals": 5, "export": 5, "train": 5,
-    "cli": 6, "__main__": 6, "__init__": 6,
+    "publish": 6,
+    "cli": 7, "__main__": 7, "__init__": 7,
 }
 # function-level imports of our own modules that are there for another reason than a cycle
 ALLOWED_LOCAL_IMPORTS = {

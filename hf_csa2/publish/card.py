@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..metrics.kv_cache import described_layers, format_layer_table
+from ..surgery.pipeline import StageReport, format_report_table
 from .evidence import Figure, folder_figures
 from .provenance import folder_provenance, read_json
 
@@ -152,8 +153,6 @@ def _stage_table(report: dict) -> str | None:
     stages = report.get("stages") or []
     if not stages:
         return None
-    from ..surgery.pipeline import StageReport, format_report_table
-
     fields = StageReport.__dataclass_fields__
     return format_report_table([StageReport(**{k: v for k, v in s.items() if k in fields}) for s in stages])
 
@@ -172,9 +171,7 @@ def build_card(folder: Path, repo_id: str, facts: CardFacts):
             f"{what} [`{facts.base_model}`](https://huggingface.co/{facts.base_model}), made with hf-csa2 "
             f"(source as recorded: `{facts.source}`).", ""]
     if config:
-        from transformers import AutoConfig
-
-        import hf_csa2  # noqa: F401  (registers the hf_csa2 config class: no remote code runs)
+        from transformers import AutoConfig  # hf_csa2's import registered its config class: no remote code runs
 
         layers = described_layers(AutoConfig.from_pretrained(folder))
         body += ["## What was converted", "", format_layer_table(layers), ""]

@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import one_line
+from ..export.deepseek_v3 import export_checkpoint
+from ..io.output import OUTPUT_MARKER
 from ..io.sources import looks_like_hub_id
 from .card import CARD_FILE, CardError, build_card, card_facts
+from .provenance import folder_provenance, read_json, source_provenance
 from .validate import PublishError, PublishSet, check_folder, load_problems
 
 PUSH_FORMATS = ("native", "deepseek_v3")
@@ -64,9 +67,6 @@ def check_push_after(repo_id: str, origin: str, options: PushOptions) -> None:
     """For ``convert`` / ``train`` ``--push-to-hub``: the flags, and that the card will know the
     base model and license of ``origin`` (the source, or the converted student), checked before
     any work starts so a long run does not end in a refused upload."""
-    from .provenance import folder_provenance, source_provenance
-    from ..io.output import OUTPUT_MARKER
-
     check_options(repo_id, options)
     path = Path(origin)
     found = folder_provenance(path) if (path / OUTPUT_MARKER).is_file() else source_provenance(origin)
@@ -98,8 +98,6 @@ def staged_folder(folder: str | os.PathLike, repo_id: str, options: PushOptions,
         work = Path(work)
         source = Path(folder)
         if options.format == "deepseek_v3":
-            from ..export.deepseek_v3 import export_checkpoint
-
             log(f"exporting {source} to the DeepSeek-V3 format")
             source = export_checkpoint(source, work / "exported")
         chosen, problems = check_folder(source, options.include)
@@ -121,8 +119,6 @@ def staged_folder(folder: str | os.PathLike, repo_id: str, options: PushOptions,
         if check_load:
             base = None
             if chosen.kind == "adapter":
-                from .provenance import read_json
-
                 base = read_json(source / "adapter_config.json").get("base_model_name_or_path")
             log("checking that the files load and run without hf-csa2 (trust_remote_code=True)")
             problems = load_problems(staged, chosen.kind, base)

@@ -110,9 +110,7 @@ def static_problems(folder: Path, kind: str) -> list[str]:
         except Exception as err:  # any reason: the user sees it in the list
             problems.append(f"{ADAPTER_CONFIG} does not load: {one_line(err, 300)}")
         return problems
-    from transformers import AutoConfig, AutoTokenizer
-
-    import hf_csa2  # noqa: F401  (registers the hf_csa2 config class: the folder's code is not run)
+    from transformers import AutoConfig, AutoTokenizer  # hf_csa2's config class is registered: no folder code runs
 
     try:
         AutoConfig.from_pretrained(folder)
