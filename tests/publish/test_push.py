@@ -340,3 +340,14 @@ def test_format_deepseek_v3_publishes_the_stock_export_without_model_code(tmp_pa
     card = ModelCard(result["card"])
     assert "mla" in card.data.tags and "trust_remote_code" not in card.text
     assert not (tmp_path / "mla" / "README.md").exists()  # the folder itself is never written
+
+
+def test_a_gguf_source_gives_the_license_it_carries():
+    from hf_csa2.io.sources import SourceError, resolve_alias
+
+    try:
+        gguf = resolve_alias("smollm2-135m")
+    except SourceError as err:
+        pytest.skip(f"SmolLM2 GGUF cannot be fetched: {err}")
+    found = source_provenance(str(gguf))
+    assert found.license == "apache-2.0" and found.base_model is None  # a GGUF file does not name its repository
