@@ -30,6 +30,7 @@ import gc
 import json
 import logging
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -264,8 +265,6 @@ def _train(args) -> int:
 
 def _command(args) -> str:
     """The command line that ran, as written into result files (quoted where a shell needs it)."""
-    import shlex
-
     return "hf-csa2 " + shlex.join(args.argv)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..io.sources import looks_like_hub_id
 from ..metrics.kv_cache import described_layers, format_layer_table
 from ..surgery.pipeline import StageReport, format_report_table
 from .evidence import Figure, folder_figures
@@ -80,7 +81,7 @@ def card_facts(folder: Path, *, license: str | None = None, base_model: str | No
         adapter = read_json(folder / ADAPTER_CONFIG)
         base_path = adapter.get("base_model_name_or_path")
         origin = folder_provenance(Path(base_path)) if base_path and Path(base_path).is_dir() else folder_provenance(folder)
-        found_base = base_path if base_path and not Path(base_path).exists() and "/" in base_path else None
+        found_base = base_path if base_path and not Path(base_path).exists() and looks_like_hub_id(base_path) else None
         relation, tags = "adapter", ["hf-csa2", "peft", "lora"]
         base_config = read_json(Path(base_path) / "config.json") if base_path and Path(base_path).is_dir() else {}
         tags += attention_tags(base_config)[1:]

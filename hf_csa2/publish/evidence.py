@@ -80,7 +80,8 @@ def training_figures(training: dict, answers_per_depth: int | None = None) -> li
     if not evals:
         return []
     last = evals[-1]
-    command = f"hf-csa2 train recipe.yaml --out {training.get('out', 'OUT')}"
+    out = training.get("out", "OUT")
+    command = f"hf-csa2 train {out}/recipe.yaml --out {out}"  # the run's own copy of its recipe
     per_depth = ((training.get("recipe") or {}).get("eval") or {}).get("answers")
     out = []
     for key, value in last.items():
