@@ -120,11 +120,13 @@ def _losses(facts: CardFacts) -> list[str]:
     lines = []
     for f in facts.figures:
         if f.metric.endswith("ppl_ratio") and f.value > 1.0:
-            lines.append(f"Perplexity is {f.value}x the reference's on {f.dataset} ({f.label}).")
+            lines.append(f"{f.label[:1].upper()}{f.label[1:]}: {f.value} on {f.dataset}.")
         if f.metric in ("answer_check_far", "answer_check_near"):
             ref = by.get(f.metric + "_source")
             if ref is not None and f.value < ref.value:
-                lines.append(f"In-context answers lost: {f.label}; the source {ref.label.removeprefix('source: ')}.")
+                where = "far back in" if f.metric.endswith("far") else "near the end of"
+                lines.append(f"Facts planted {where} the prompt (answer check): {f.count} answered, the source "
+                             f"{ref.count}.")
     if facts.report.get("plan", {}).get("calibration", {}).get("text", "").startswith("python-docs"):
         lines.append("The stage report's perplexity is measured on held-out windows of the calibration text's own "
                      "domain, which flatters the fit; figures on text of another domain (`--eval`) count more.")

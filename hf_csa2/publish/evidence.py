@@ -37,6 +37,7 @@ class Figure:
     label: str
     origin: str
     command: str | None
+    count: str | None = None  # "answered/asked" for accuracies
 
 
 def _round(x: float) -> float:
@@ -53,7 +54,7 @@ def stage_figures(folder: Path, report: dict) -> list[Figure]:
     text = calib.get("text", "calibration text")
     command = f"hf-csa2 convert {report.get('source')} --plan hf_csa2_plan.yaml --out {folder.name}"
     out = [Figure("ppl_ratio", _round(last["calib_ppl"] / source["calib_ppl"]), f"{text} (scoring windows)",
-                  f"perplexity ratio to the source after stage `{last['stage']}` (one-shot conversion)",
+                  f"perplexity ratio to the source after stage `{last['stage']}` (the conversion, before any uplift)",
                   OUTPUT_MARKER, command),
            Figure("kv_elements_per_token", _round(last["kv_elements_per_token"]), "live cache",
                   "KV-cache elements per token" + (f" at {last['kv_context']} tokens of context" if last.get("kv_context")
@@ -67,7 +68,8 @@ def stage_figures(folder: Path, report: dict) -> list[Figure]:
                 out.append(Figure(f"answer_check_{depth}" + ("_source" if who == "source" else ""),
                                   _round(check[depth] / check["per_depth"]), f"{text} (answer-check probes)",
                                   f"{who}: facts planted {depth} in a {check['context']}-token prompt answered "
-                                  f"({check[depth]}/{check['per_depth']})", OUTPUT_MARKER, command))
+                                  f"({check[depth]}/{check['per_depth']})", OUTPUT_MARKER, command,
+                                  f"{check[depth]}/{check['per_depth']}"))
     return out
 
 
