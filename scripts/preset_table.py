@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import functools
 import json
 import re
 import subprocess
@@ -68,7 +69,10 @@ def preset_source(path: Path) -> str:
     raise SystemExit(f"{path}: no 'hf-csa2 convert SOURCE --plan {path}' line in any preset header")
 
 
+@functools.lru_cache(maxsize=None)
 def commit() -> str:
+    """The code this process measures with: HEAD (+ if hf_csa2/ had changes) when first asked, i.e.
+    when the modules were loaded; commits made while a long run goes on do not change what it runs."""
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "hf_csa2"], cwd=ROOT, capture_output=True, text=True)
     return out.stdout.strip() + ("+" if dirty.stdout.strip() else "")
@@ -78,6 +82,7 @@ class Results:
     """The results file: {model: {measure: {value, commit, date}}}; written after every measurement."""
 
     def __init__(self, path: Path, fresh: bool):
+        commit()  # pinned now, before any measurement
         self.path = path
         self.data = {} if fresh or not path.exists() else json.loads(path.read_text())
 
