@@ -255,7 +255,9 @@ def test_csa2_prefill_chunked_prefill_and_decode_agree_at_2k_tokens(smollm2, mla
         full = run([2048], replay=False)
         replayed = run(schedule, replay=True)
         natural = run(schedule, replay=False)
-    assert (replayed - full).abs().max() <= 1e-3  # fp32 over 2K tokens and 30 layers
+    # fp32 over 2K tokens and 30 layers; the fused SDPA kernel's blockwise softmax rounds the chunked and
+    # the whole-prompt runs differently (1.2e-3 seen on logits of size ~10); a wrong cache read moves them by O(1)
+    assert (replayed - full).abs().max() <= 2e-3
     assert torch.equal(replayed.argmax(-1), full.argmax(-1))
     # without replay: identical up to the first flip, which must not come early
     diff = (natural - full).abs().amax(-1)

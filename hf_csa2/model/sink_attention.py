@@ -100,6 +100,18 @@ def eager_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out.transpose(1, 2).contiguous(), weights
 
 
+def one_head_size(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """``query``, ``key``, ``value`` zero-padded on their last dimension to the widest of them.
+
+    Fused SDPA kernels want one head size; with key and value widths apart (MLA: D_nope + rope
+    vs D) PyTorch's CPU SDPA falls back to its math path, which holds every [T, S] score (5.7x
+    slower at 4,096 tokens for 96-wide keys and 64-wide values; docs/results.md). Zero columns change
+    no logit (q, k) and no read (v): the output's first ``Dv`` columns are the attention, exactly.
+    """
+    width = max(query.shape[-1], value.shape[-1])
+    return tuple(F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (query, key, value))
+
+
 def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                         *, scaling: float, sinks: torch.Tensor | None = None, dropout: float = 0.0,
                         training: bool = False) -> tuple[torch.Tensor, None]:
@@ -128,17 +140,16 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     one_call = sinks is not None and _lse_call_applies(query, k, v, sinks, dropout_p)
     if one_call:
         additive = None if mask is None else torch.zeros((), dtype=query.dtype).masked_fill(~mask, float("-inf"))
-        # The op wants one head size: zero columns change no logit (q, k) and no read (v).
-        width, dv = max(d, v.shape[-1]), v.shape[-1]
-        q_, k_, v_ = (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (query, k, v))
+        q_, k_, v_ = one_head_size(query, k, v)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_, k_, v_, 0.0, mask is None and t > 1, attn_mask=additive, scale=scaling)
-        out = out[..., :dv]
+        out = out[..., : v.shape[-1]]
         out = out * torch.sigmoid(lse - sinks.to(lse.dtype).view(1, hq, 1))[..., None]  # 1 - a_sink
     else:
+        q_, k_, v_ = one_head_size(query, k, v)
         out = F.scaled_dot_product_attention(
-            query, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and t > 1, scale=scaling
-        )
+            q_, k_, v_, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None and t > 1, scale=scaling
+        )[..., : v.shape[-1]]
     if sinks is not None and not one_call:
         q_ext = torch.cat([query, query.new_ones(b, hq, t, 1)], dim=-1)  # [B, HQ, T, D+1]
         sink_coord = (sinks.to(key.dtype) / scaling).view(1, hq, 1, 1).expand(b, hq, 1, 1)
@@ -207,5 +218,5 @@ def _lse_call_applies(query, key, value, sinks, dropout_p) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "grouped_decode_attention", "masked_logits",
+__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "grouped_decode_attention", "masked_logits", "one_head_size",
            "sdpa_sink_attention"]

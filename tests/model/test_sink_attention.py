@@ -176,3 +176,22 @@ def test_decode_step_takes_a_broadcast_head_as_one_head():
                                                scaling=0.3, sinks=sinks)
     torch.testing.assert_close(shared, expanded, atol=0, rtol=0)
     torch.testing.assert_close(shared, repeated, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("value_dim", [6, 13])
+@pytest.mark.parametrize("case", ["masked", "causal"])
+def test_keys_and_values_of_different_widths_take_the_fused_kernel(case, value_dim):
+    """MLA's explicit prefill reads 10-wide keys and narrower (or wider) values: without sinks the
+    call must still run on a fused SDPA kernel (the math fallback holds every score), and equal the
+    oracle."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    t, s = {"masked": (9, 11), "causal": (7, 7)}[case]
+    q, k, v, allowed, _ = random_case(2, t, s, 6, 3, 10, seed=3)
+    v = torch.randn(*v.shape[:-1], value_dim, generator=torch.Generator().manual_seed(4))
+    mask = allowed if case == "masked" else None
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # no math fallback allowed
+        out, _ = sdpa_sink_attention(q, k, v, mask, scaling=0.3)
+    ref = oracle(q, k, v, allowed if mask is not None else
+                 (torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None])[None, None], 0.3, None)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
