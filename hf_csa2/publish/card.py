@@ -106,7 +106,7 @@ def card_facts(folder: Path, *, license: str | None = None, base_model: str | No
     return CardFacts(kind, base, relation, lic, origin.source, figures, report, training, list(dict.fromkeys(tags)))
 
 
-def _eval_results(facts: CardFacts, repo_id: str):
+def _eval_results(facts: CardFacts):
     from huggingface_hub import EvalResult
 
     return [EvalResult(task_type="text-generation", task_name="Causal language modeling", dataset_type=f.dataset,
@@ -168,7 +168,7 @@ def build_card(folder: Path, repo_id: str, facts: CardFacts):
     config = read_json(folder / "config.json")
     data = ModelCardData(base_model=facts.base_model, license=facts.license, library_name="transformers",
                          pipeline_tag="text-generation", tags=facts.tags, model_name=repo_id.split("/")[-1],
-                         eval_results=_eval_results(facts, repo_id), base_model_relation=facts.relation)
+                         eval_results=_eval_results(facts), base_model_relation=facts.relation)
     what = ("A PEFT adapter for" if facts.kind == "adapter" else "An attention-rewritten version of")
     body = [f"# {repo_id.split('/')[-1]}", "",
             f"{what} [`{facts.base_model}`](https://huggingface.co/{facts.base_model}), made with hf-csa2 "
