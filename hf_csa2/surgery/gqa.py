@@ -26,6 +26,7 @@ All maths runs in float64 on weight matrices and the input second moment ``E[x~ 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from ..model.configuration_hf_csa2 import attention_head_dim
 from .calibration import decoder_layers
 from .layerwise import (
     calibrate_layerwise,
+    refine_layer_output,
     refit_output_projection,
     source_attention_outputs,
 )
@@ -203,10 +205,14 @@ def has_qk_norm(model) -> bool:
 @dataclass
 class GqaLayerFit:
     """One layer's ``o_proj`` refit (``init: calibrated`` with ``refit_output``): relative squared
-    error of the layer's attention output against the source layer's, before and after."""
+    error of the layer's attention output against the source layer's, before and after; then
+    the Adam refinement's error on held-out windows (``refine_steps``)."""
 
-    rel_err_before: float
-    rel_err_after: float
+    rel_err_before: float | None = None
+    rel_err_after: float | None = None
+    refine_heldout_err_before: float | None = None
+    refine_heldout_err_after: float | None = None
+    refine_kept_step: int | None = None  # the refinement step whose state was kept (0: the start)
 
 
 @dataclass
@@ -221,9 +227,12 @@ class GqaFitReport:
     def stage_notes(self) -> dict:
         notes: dict = {"init": self.plan.init}
         fits = [f for f in self.layers if f is not None]
-        if fits:
-            notes["attn_out_rel_err_before_refit"] = sum(f.rel_err_before for f in fits) / len(fits)
-            notes["attn_out_rel_err_after_refit"] = sum(f.rel_err_after for f in fits) / len(fits)
+        for key, name in (("rel_err_before", "attn_out_rel_err_before_refit"), ("rel_err_after", "attn_out_rel_err_after_refit"),
+                          ("refine_heldout_err_before", "refine_heldout_err_before"),
+                          ("refine_heldout_err_after", "refine_heldout_err_after")):
+            values = [getattr(f, key) for f in fits if getattr(f, key) is not None]
+            if values:
+                notes[name] = sum(values) / len(values)
         if self.keys_by_mean:
             notes["keys"] = ("QK-norm source: keys merged by mean (a linear RoPE-aware fold cannot pass the norm); "
                              "values by O-weighted PCA")
@@ -266,14 +275,20 @@ def apply_gqa(model, plan: GqaPlan, *, windows: torch.Tensor | None = None) -> t
     if not calibrated:
         return new, report
 
-    targets = source_attention_outputs(model, windows) if plan.refit_output else None
+    targets = source_attention_outputs(model, windows) if plan.refit_output or plan.refine_steps else None
 
     def fit_layer(i, attn, hidden, attn_kwargs):
         weights = merged(i, augmented_moment(hidden)).state_dict("")
         attn.load_state_dict({**attn.state_dict(), **weights})
-        if not plan.refit_output:
-            return None
-        return GqaLayerFit(**refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=plan.ridge))
+        fit = GqaLayerFit()
+        if plan.refit_output:
+            fit = dataclasses.replace(fit, **refit_output_projection(attn, hidden, attn_kwargs, targets[i], ridge=plan.ridge))
+        if plan.refine_steps:
+            # The closed forms fit keys and values through second moments only; the softmax between
+            # key error and output error is what these steps see (LoLCATs' attention transfer).
+            fit = dataclasses.replace(fit, **refine_layer_output(attn, hidden, attn_kwargs, targets[i], list(attn.parameters()),
+                                                                 steps=plan.refine_steps, lr=plan.refine_lr))
+        return fit if plan.refit_output or plan.refine_steps else None
 
     report.layers = calibrate_layerwise(new, windows, fit_layer)
     return new, report

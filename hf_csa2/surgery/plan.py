@@ -92,6 +92,12 @@ class GqaPlan:
     init: Annotated[Literal[GQA_INITS], _doc("\"calibrated\": RoPE-aware weighted PCA merge; \"mean\": Ainslie et al. mean-pooling")] = "calibrated"
     refit_output: Annotated[Bool, _doc("with \"calibrated\": least-squares refit of o_proj to the source's attention output")] = True
     ridge: Annotated[_number(MAX_RIDGE), _doc("refit regularisation toward the merged o_proj, relative to mean diag(A^T A)")] = 0.3
+    refine_steps: Annotated[_int(0, MAX_STEPS), _doc("with \"calibrated\": then Adam steps per layer on its output error (q/k/v/o; best state on held-out windows kept)")] = 0
+    refine_lr: Annotated[_number(1.0), _doc("Adam learning rate of refine_steps")] = 1e-4
+
+    def __post_init__(self):
+        if self.refine_steps and self.init != "calibrated":
+            raise PlanError("gqa.refine_steps needs init: calibrated (mean is the calibration-free baseline)")
 
 
 @dataclass(config=_CONFIG)
@@ -347,18 +353,18 @@ class ConversionPlan:
                 f"calibration.num_tokens={cal.num_tokens} is below calibration.seq_len={cal.seq_len}; "
                 "allowed: num_tokens >= seq_len"
             )
-        if self.mla is not None:
-            self._validate_mla()
+        for name in ("gqa", "mla"):
+            self._validate_refine(name)
         if self.csa2 is not None:
             self._validate_csa2()
         if self.distill is not None:
             self._validate_distill()
 
-    def _validate_mla(self) -> None:
-        mla = self.mla
+    def _validate_refine(self, section: str) -> None:
+        stage = getattr(self, section)
         fit_windows = self.calibration.num_tokens // self.calibration.seq_len
-        if mla.refine_steps and fit_windows < 3:
-            raise PlanError(f"mla.refine_steps needs at least 3 calibration windows (2 are held out to pick the kept "
+        if stage is not None and stage.refine_steps and fit_windows < 3:
+            raise PlanError(f"{section}.refine_steps needs at least 3 calibration windows (2 are held out to pick the kept "
                             f"state); calibration.num_tokens={self.calibration.num_tokens} / seq_len="
                             f"{self.calibration.seq_len} gives {fit_windows}")
 

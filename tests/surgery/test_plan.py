@@ -142,3 +142,18 @@ def test_the_mla_section_checks_its_own_fields_together(mla, message):
         ConversionPlan.from_dict({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4, **mla}})
     with pytest.raises(ValueError, match=message):  # on its own too (pydantic's ValidationError is a ValueError)
         MlaPlan(**{"kv_lora_rank": 8, "qk_rope_head_dim": 4, **mla})
+
+
+@pytest.mark.parametrize(
+    "plan, message",
+    [
+        ({"gqa": {"num_key_value_heads": 1, "init": "mean", "refine_steps": 5}}, "gqa.refine_steps needs init: calibrated"),
+        ({"gqa": {"num_key_value_heads": 1, "refine_steps": 5}, "calibration": {"num_tokens": 1024, "seq_len": 512}},
+         "gqa.refine_steps needs at least 3 calibration windows .* gives 2"),
+        ({"mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4, "refine_steps": 5}, "calibration": {"num_tokens": 1024, "seq_len": 512}},
+         "mla.refine_steps needs at least 3 calibration windows .* gives 2"),
+    ],
+)
+def test_a_refinement_needs_a_calibrated_init_and_held_out_windows(plan, message):
+    with pytest.raises(PlanError, match=message):
+        ConversionPlan.from_dict(plan)
