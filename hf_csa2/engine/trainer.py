@@ -38,23 +38,37 @@ ADAPTER_FILE = "adapter_model.safetensors"
 INDEX_LOSS = "index_loss"  # the key of an indexer loss in the student's output (hf_csa2.train.indexer_phase)
 
 
-def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean over tokens of KL(teacher_T || student_T) in nats, scaled by T^2; logits [..., V], fp32 maths."""
+def _mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    return values.mean() if weights is None else (values * weights).sum() / weights.sum()
+
+
+def token_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over tokens of KL(teacher_T || student_T) in nats, scaled by T^2; logits [..., V], fp32 maths.
+    ``weights`` ([...], the logits' leading shape): a weighted mean instead."""
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    return (t.exp() * (t - s)).sum(-1).mean() * temperature ** 2
+    return _mean((t.exp() * (t - s)).sum(-1), weights) * temperature ** 2
+
+
+def answer_weights(answer_mask: torch.Tensor, weight: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-prediction weights ``[B, T-1]`` (``[B, N]`` at ``positions``) from a block's ``answer_mask``
+    ``[B, T]``: ``weight`` where the predicted token is an answer token, 1 elsewhere."""
+    targets = answer_mask[:, 1:] if positions is None else answer_mask[:, positions + 1]
+    return 1.0 + (weight - 1.0) * targets.float()
 
 
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, input_ids: torch.Tensor,
                       kind: str = "kd", temperature: float = 1.0, lm_weight: float = 0.5,
-                      positions: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean per-token loss of next-token predictions; logits ``[B, T, V]``, ``input_ids`` ``[B, T]``.
 
     ``kd``: :func:`token_kl` at ``temperature`` over positions 0..T-2 (those that predict a token
     of the window, as in the LM loss); ``lm``: cross-entropy on ``input_ids[:, 1:]``; ``kd+lm``:
     ``(1 - lm_weight) * kd + lm_weight * lm``. With ``positions`` (``[N]``, each < T-1) the logits
     are ``[B, N, V]``, taken at those positions only (``logits_to_keep=positions``), and the LM
-    targets are the tokens after them.
+    targets are the tokens after them. ``weights`` (``[B, T-1]``, or ``[B, N]`` with positions, e.g.
+    :func:`answer_weights`): weighted means instead of plain ones.
     """
     if kind not in LOSSES:
         raise ValueError(f"loss kind={kind!r}; allowed: {', '.join(LOSSES)}")
@@ -64,9 +78,10 @@ def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
         s, t, targets = student_logits, teacher_logits, input_ids[:, positions + 1]
     terms = {}
     if kind in ("kd", "kd+lm"):
-        terms["kd"] = token_kl(t, s, temperature)
+        terms["kd"] = token_kl(t, s, temperature, weights)
     if kind in ("lm", "kd+lm"):
-        terms["lm"] = F.cross_entropy(s.float().reshape(-1, s.shape[-1]), targets.reshape(-1))
+        terms["lm"] = _mean(F.cross_entropy(s.float().reshape(-1, s.shape[-1]), targets.reshape(-1),
+                                            reduction="none"), None if weights is None else weights.reshape(-1))
     if kind == "kd+lm":
         return (1 - lm_weight) * terms["kd"] + lm_weight * terms["lm"]
     return terms[kind]
@@ -167,11 +182,15 @@ class DistillationTrainer(Trainer):
     micro-batch (torch's global generator, which checkpoints restore); teacher and student compute
     logits there only (``logits_to_keep``). An unbiased estimate of the all-position loss at a
     fraction of the output head's and the KL's cost (None: every position).
+
+    ``answer_weight``: the loss on predictions of answer tokens (the batches' ``answer_mask``, from
+    :func:`hf_csa2.train.data.training_blocks` with ``answers``) weighs this many times a context
+    token's, in a weighted mean (1: every token alike, no mask needed).
     """
 
     def __init__(self, *args, teacher, held_out: dict[str, torch.Tensor], loss: str = "kd",
                  temperature: float = 1.0, lm_weight: float = 0.5, positions: int | None = None,
-                 adapter_extras: list[str] = (),
+                 answer_weight: float = 1.0, adapter_extras: list[str] = (),
                  evaluate_at_start: bool = True, indexer=None, indexer_steps: int = 0,
                  indexer_weight: float = 0.0, indexer_lr: float | None = None, probes: dict[str, list] | None = None,
                  **kwargs):
@@ -181,6 +200,7 @@ class DistillationTrainer(Trainer):
             p.requires_grad_(False)
         self.loss_kind, self.temperature, self.lm_weight = loss, temperature, lm_weight
         self.positions = positions
+        self.answer_weight = answer_weight
         self.indexer, self.indexer_steps, self.indexer_weight = indexer, indexer_steps, indexer_weight
         self.indexer_lr = indexer_lr
         self._index_sum, self._index_count = 0.0, 0  # the indexer loss since the last log line
@@ -216,8 +236,9 @@ class DistillationTrainer(Trainer):
         if alone:
             loss = out[INDEX_LOSS]
         else:
+            weights = None if self.answer_weight == 1.0 else answer_weights(inputs["answer_mask"], self.answer_weight, scored)
             loss = distillation_loss(out.logits, teacher_logits, ids, self.loss_kind, self.temperature, self.lm_weight,
-                                     positions=scored)
+                                     positions=scored, weights=weights)
             if index:
                 loss = loss + self.indexer_weight * out[INDEX_LOSS]
         if index:

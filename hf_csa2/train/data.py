@@ -195,14 +195,19 @@ def passages_to_completions(text: str, passage_chars: int, start: int = 0,
     ``recall`` / ``next``: the passage, a blank line, a lead-in quoting the cue
     (:data:`RECALL_LEADS` / :data:`NEXT_LEADS`) and the sentence asked for, so the loss on the
     answer's tokens is a loss on copying from the prompt."""
-    documents = []
+    return [document for document, _ in _completion_documents(text, passage_chars, start, tasks)]
+
+
+def _completion_documents(text: str, passage_chars: int, start: int, tasks: tuple[str, ...]):
+    """:func:`passages_to_completions`' documents, each with the character offset where its answer
+    (the sentence asked for) starts; None for a passage as it is."""
     for k, task, chunk, pick in _task_picks(text, passage_chars, start, tasks):
         if task == "continue":
-            documents.append(chunk)
+            yield chunk, None
         else:
             leads = RECALL_LEADS if task == "recall" else NEXT_LEADS
-            documents.append(f"{chunk.strip()}\n\n{leads[k % len(leads)].format(cue=pick[0])}{pick[1]}")
-    return documents
+            document = f"{chunk.strip()}\n\n{leads[k % len(leads)].format(cue=pick[0])}{pick[1]}"
+            yield document, len(document) - len(pick[1])
 
 
 def _to_chat(passage_chars: int, tasks: tuple[str, ...]):
@@ -213,37 +218,69 @@ def _to_chat(passage_chars: int, tasks: tuple[str, ...]):
     return convert
 
 
-def _to_completions(passage_chars: int, tasks: tuple[str, ...]):
+def _to_completions(passage_chars: int, tasks: tuple[str, ...], answers: bool = False):
     def convert(batch: dict, indices: list[int]) -> dict:
-        return {"text": [d for i, text in zip(indices, batch["text"])
-                         for d in passages_to_completions(text, passage_chars, i, tasks)]}
+        docs = [d for i, text in zip(indices, batch["text"])
+                for d in _completion_documents(text, passage_chars, i, tasks)]
+        out = {"text": [d for d, _ in docs]}
+        if answers:
+            out["answer_from"] = [-1 if a is None else a for _, a in docs]
+        return out
 
     return convert
 
 
-def _renderer(tokenizer):
+def _answer_from(rendered: str, messages: list[dict]) -> int:
+    """Character offset in a rendered chat record where its last assistant turn's content starts
+    (-1: the record does not end with one). The content's last occurrence: a copy task's answer
+    is also in the passage before it."""
+    content = (messages[-1].get("content") or "").strip() if messages else ""
+    if not content or messages[-1].get("role") != "assistant":
+        return -1
+    return rendered.rfind(content)  # stripped: templates may trim a turn's content
+
+
+def _renderer(tokenizer, answers: bool = False):
+    """Records -> ``input_ids`` (EOS appended); with ``answers`` also ``answer_mask``: 1 on the
+    tokens of the answer (a chat record's last assistant turn from its content on, end-of-turn
+    tokens and EOS included, so stopping is part of it; a copy-task document's sentence), 0 elsewhere."""
     def render(batch: dict) -> dict:
         if "input_ids" in batch:
-            return {"input_ids": batch["input_ids"]}
+            out = {"input_ids": batch["input_ids"]}
+            if answers:
+                out["answer_mask"] = [[0] * len(x) for x in batch["input_ids"]]
+            return out
+        starts = None
         if "messages" in batch:
             if not getattr(tokenizer, "chat_template", None):
                 texts = ["\n\n".join(f"{m['role']}: {m['content']}" for m in msgs) for msgs in batch["messages"]]
             else:
                 texts = [tokenizer.apply_chat_template(msgs, tokenize=False) for msgs in batch["messages"]]
+            if answers:
+                starts = [_answer_from(t, msgs) for t, msgs in zip(texts, batch["messages"])]
         else:
             texts = batch["text"]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            if answers:
+                starts = batch.get("answer_from", [-1] * len(texts))
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=answers)
         eos = tokenizer.eos_token_id
-        return {"input_ids": [x + [eos] if eos is not None else x for x in ids]}
+        tail = [eos] if eos is not None else []
+        out = {"input_ids": [x + tail for x in enc["input_ids"]]}
+        if answers:
+            out["answer_mask"] = [[int(start >= 0 and a >= start) for a, _ in offsets] + [int(start >= 0)] * len(tail)
+                                  for offsets, start in zip(enc["offset_mapping"], starts)]
+        return out
 
     return render
 
 
 def _packer(seq_len: int):
     def pack(batch: dict) -> dict:
-        stream = [t for ids in batch["input_ids"] for t in ids]
-        n = len(stream) // seq_len
-        return {"input_ids": [stream[i * seq_len:(i + 1) * seq_len] for i in range(n)]}
+        out = {}
+        for column in batch:
+            stream = [t for ids in batch[column] for t in ids]
+            out[column] = [stream[i * seq_len:(i + 1) * seq_len] for i in range(len(stream) // seq_len)]
+        return out
 
     return pack
 
@@ -255,13 +292,22 @@ def chat_format(spec: DataSpec, tokenizer) -> bool:
     return spec.format == "chat"
 
 
-def training_blocks(spec: DataSpec, tokenizer) -> datasets.Dataset:
+def training_blocks(spec: DataSpec, tokenizer, answers: bool = False) -> datasets.Dataset:
     """``[N]`` records with ``input_ids`` of exactly ``spec.seq_len`` tokens: documents in order,
     each followed by EOS, concatenated and cut (the last partial block of each 1,000 documents is
     dropped). Several ``spec.text`` entries are mixed: their blocks taken in turn, one of each, until
     every one is used up (none repeated). At most ``spec.num_tokens`` tokens (whole blocks, the first
-    of that order, so a mix comes in equal parts)."""
-    parts = [_blocks_of(text, spec, tokenizer) for text in spec.text]
+    of that order, so a mix comes in equal parts). With ``answers`` the records also have
+    ``answer_mask`` (``[seq_len]``, 1 on answer tokens, see :func:`_renderer`); data with no answer
+    tokens at all is refused (a weight on answers would do nothing)."""
+    if answers and not getattr(tokenizer, "is_fast", False):
+        raise RecipeError("loss.answer_weight needs a fast tokenizer (token offsets); "
+                          f"{type(tokenizer).__name__} is not one: use loss.answer_weight: 1.0")
+    parts = [_blocks_of(text, spec, tokenizer, answers) for text in spec.text]
+    if answers and not any(any(m) for part in parts for m in part["answer_mask"]):
+        raise RecipeError(f"loss.answer_weight: data.text={list(spec.text)} has no answer tokens (plain text with "
+                          "data.tasks [continue] in the text format); use chat exchanges, chat records or copy "
+                          "tasks (data.tasks: recall, next), or loss.answer_weight: 1.0")
     ds = parts[0] if len(parts) == 1 else datasets.interleave_datasets(
         parts, stopping_strategy="all_exhausted_without_replacement")
     if spec.num_tokens is not None:
@@ -269,7 +315,7 @@ def training_blocks(spec: DataSpec, tokenizer) -> datasets.Dataset:
     return ds.with_format("torch")
 
 
-def _blocks_of(text: str, spec: DataSpec, tokenizer) -> datasets.Dataset:
+def _blocks_of(text: str, spec: DataSpec, tokenizer, answers: bool = False) -> datasets.Dataset:
     """The packed blocks of one ``data.text`` entry."""
     ds = load_records(text)
     copy_tasks = [t for t in spec.tasks if t != "continue"]
@@ -281,9 +327,9 @@ def _blocks_of(text: str, spec: DataSpec, tokenizer) -> datasets.Dataset:
         ds = ds.map(_to_chat(spec.passage_chars, tuple(spec.tasks)), batched=True, with_indices=True,
                     remove_columns=ds.column_names, desc="chat exchanges")
     elif copy_tasks:
-        ds = ds.map(_to_completions(spec.passage_chars, tuple(spec.tasks)), batched=True, with_indices=True,
+        ds = ds.map(_to_completions(spec.passage_chars, tuple(spec.tasks), answers), batched=True, with_indices=True,
                     remove_columns=ds.column_names, desc="copy-task documents")
-    ds = ds.map(_renderer(tokenizer), batched=True, remove_columns=ds.column_names, desc="tokenising")
+    ds = ds.map(_renderer(tokenizer, answers), batched=True, remove_columns=ds.column_names, desc="tokenising")
     ds = ds.map(_packer(spec.seq_len), batched=True, batch_size=1000, desc=f"packing into {spec.seq_len}-token blocks")
     if len(ds) == 0:
         raise RecipeError(f"data.text entry {text!r} has fewer than data.seq_len={spec.seq_len} tokens")

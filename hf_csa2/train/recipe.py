@@ -100,6 +100,11 @@ class LossSpec:
         "student computing logits there only (null: every position). An unbiased estimate of the full loss "
         "that saves most of the output head's and the KL's cost: with a 262K vocabulary (Gemma-3) they are "
         "a large share of a step; must be less than data.seq_len - 1")] = None
+    answer_weight: Annotated[number_in(1000.0), doc(
+        "weight of the loss on answer tokens (an exchange's assistant turn, end-of-turn included; a copy "
+        "task's sentence) relative to the other tokens of a block, in a weighted mean: >1 puts the "
+        "training on answering from the prompt (as completion-only SFT does, with the context kept in "
+        "the loss at weight 1); 1: every token alike")] = 1.0
     indexer_steps: Annotated[int_in(0, MAX_STEPS), doc(
         "CSA2: first optimizer steps that train only the indexers, on the indexer loss (counted in steps)")] = 0
     indexer_weight: Annotated[number_in(100.0, positive=False), doc(

@@ -169,21 +169,21 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     if recipe.loss.uses_indexer:
         teacher, indexer = indexer_loss(recipe, model, teacher)
     args = training_arguments(recipe, out / "checkpoints")
+    started = time.perf_counter()
+    with args.main_process_first(desc="training data"):  # before --out is touched: data errors leave it as it was
+        train_data = training_blocks(recipe.data, tokenizer, answers=recipe.loss.answer_weight != 1.0)
     if _rank() == 0 and not resume:
         if out.exists():
             shutil.rmtree(out)
         out.mkdir(parents=True)
         (out / OUTPUT_MARKER).write_text(json.dumps({"stages": [], "training": "in progress"}))
         (out / RECIPE_COPY).write_text(recipe.to_yaml())
-    started = time.perf_counter()
-    with args.main_process_first(desc="training data"):
-        train_data = training_blocks(recipe.data, tokenizer)
     trainer = DistillationTrainer(
         model=model, args=args, train_dataset=train_data,
         eval_dataset=datasets.Dataset.from_dict({"input_ids": next(iter(held_out.values())).tolist()}),
         data_collator=default_data_collator, processing_class=tokenizer,
         teacher=teacher, held_out=held_out, loss=recipe.loss.kind, temperature=recipe.loss.temperature,
-        lm_weight=recipe.loss.lm_weight, positions=recipe.loss.positions, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
+        lm_weight=recipe.loss.lm_weight, positions=recipe.loss.positions, answer_weight=recipe.loss.answer_weight, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
         indexer_weight=recipe.loss.indexer_weight, indexer_lr=recipe.optim.indexer_lr, probes=probes,
         adapter_extras=full_names if recipe.peft is not None else [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

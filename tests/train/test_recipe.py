@@ -41,6 +41,7 @@ def test_peft_null_trains_modules_directly():
     (["student=x", "data.text=[]"], ["data.text", "at least 1"]),
     (["student=x", "data.text=3"], ["data.text", "a non-empty string"]),
     (["student=x", "peft.layers=[-1]"], ["peft.layers[0]=-1", "greater than or equal to 0"]),
+    (["student=x", "loss.answer_weight=0.0"], ["loss.answer_weight=0.0", "greater than 0"]),
 ])
 def test_bad_fields_name_the_field_and_what_is_allowed(sets, words):
     with pytest.raises(RecipeError) as err:

@@ -98,6 +98,52 @@ def test_distillation_loss_on_chosen_positions_is_the_loss_there():
                                    distillation_loss(s, t, ids, kind))
 
 
+def test_weighted_loss_is_the_weighted_mean_of_the_per_token_terms():
+    """weights: ones give the plain loss; weight only on one prediction gives that prediction's loss;
+    answer_weights puts the weight on predictions OF answer tokens (the mask shifted by one)."""
+    from hf_csa2.engine.trainer import answer_weights
+
+    torch.manual_seed(2)
+    s, t = torch.randn(2, 6, 7), torch.randn(2, 6, 7)
+    ids = torch.randint(0, 7, (2, 6))
+    for kind in ("kd", "lm", "kd+lm"):
+        torch.testing.assert_close(distillation_loss(s, t, ids, kind, weights=torch.ones(2, 5)),
+                                   distillation_loss(s, t, ids, kind))
+        one = torch.zeros(2, 5)
+        one[1, 3] = 2.5
+        torch.testing.assert_close(distillation_loss(s, t, ids, kind, weights=one),
+                                   distillation_loss(s[1:, 3:5], t[1:, 3:5], ids[1:, 3:5], kind))
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 1]])
+    assert answer_weights(mask, 4.0).tolist() == [[1, 4, 4, 1, 1], [1, 1, 1, 1, 4]]
+    assert answer_weights(mask, 4.0, torch.tensor([0, 4])).tolist() == [[1, 1], [1, 4]]
+    p_t = F.softmax(t[:, :-1], -1)
+    per_token = (p_t * (p_t.log() - F.log_softmax(s[:, :-1], -1))).sum(-1)
+    w = answer_weights(mask, 4.0)
+    torch.testing.assert_close(distillation_loss(s, t, ids, "kd", weights=w), (per_token * w).sum() / w.sum())
+
+
+def test_answer_weight_weighs_the_loss_on_the_answer_tokens_of_each_batch(work, tmp_path):
+    """loss.answer_weight: compute_loss reads the batch's answer_mask and weighs the predictions of
+    answer tokens that many times the others."""
+    from hf_csa2.engine.trainer import DistillationTrainer, answer_weights
+    from hf_csa2.train.trainer import prepare_student, training_arguments
+
+    recipe = load_recipe(None, recipe_sets(work, "mla", "loss.answer_weight=5.0"))
+    teacher = load_source(work / "src").model
+    model, _ = prepare_student(load_source(work / "mla").model, teacher, recipe)
+    trainer = DistillationTrainer(model=model, args=training_arguments(recipe, tmp_path), teacher=teacher,
+                                  eval_dataset=datasets.Dataset.from_dict({"input_ids": [[1, 2]]}), held_out={},
+                                  answer_weight=recipe.loss.answer_weight, evaluate_at_start=False)
+    ids = torch.randint(4, 100, (2, 64))
+    mask = torch.zeros(2, 64, dtype=torch.long)
+    mask[:, 40:52] = 1
+    loss = trainer.compute_loss(model, {"input_ids": ids, "answer_mask": mask})
+    with torch.no_grad():
+        s, t = model(input_ids=ids).logits, teacher(input_ids=ids).logits
+    torch.testing.assert_close(loss.detach(), distillation_loss(s, t, ids, "kd", weights=answer_weights(mask, 5.0)))
+    assert abs(loss.item() - distillation_loss(s, t, ids, "kd").item()) > 1e-4
+
+
 def test_loss_positions_score_a_fresh_draw_of_positions_with_logits_there_only(work, tmp_path):
     """loss.positions: teacher and student compute logits at N positions of each block (sorted,
     distinct, each predicting a token of the block), drawn anew for each micro-batch."""
@@ -359,6 +405,39 @@ def test_copy_tasks_in_both_formats_and_not_on_chat_records(work, tmp_path):
                                tmp_path / "chat.jsonl")
     with pytest.raises(RecipeError, match=r"data.tasks=\['continue', 'next'\].*holds chat records.*data.tasks: \[continue\]"):
         training_blocks(DataSpec(text=str(records), seq_len=8, tasks=["continue", "next"]), tok)
+
+
+def _answer_text(tok, block) -> str:
+    return tok.decode([i for i, m in zip(block["input_ids"].tolist(), block["answer_mask"].tolist()) if m])
+
+
+def test_answer_masks_mark_the_assistant_turns_and_the_copied_sentences(tmp_path):
+    """training_blocks(answers=True): the same input_ids as without, and answer_mask 1 exactly on each
+    exchange's assistant turn from its content to the record's end (EOS), or on a copy-task
+    document's sentence; data without answers is refused by name."""
+    from hf_csa2.train.data import passages_to_chat, passages_to_completions, training_blocks
+    from hf_csa2.train.recipe import DataSpec, RecipeError
+
+    tok = tiny_tokenizer()
+    doc = tmp_path / "doc.txt"
+    text = "\n\n".join(f"Paragraph {i} begins here with some words. Then it ends." for i in range(120))
+    doc.write_text(text)
+    # a template that trims the content, as Gemma's does: the answer is still found
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}{% endfor %}"
+    spec = DataSpec(text=str(doc), seq_len=1024, format="chat", tasks=["continue", "recall"], passage_chars=200)
+    plain, marked = training_blocks(spec, tok), training_blocks(spec, tok, answers=True)
+    assert torch.equal(plain[:]["input_ids"], marked[:]["input_ids"]) and "answer_mask" not in plain.column_names
+    exchanges = passages_to_chat(text, 200, 0, ("continue", "recall"))
+    expected = "".join(e[-1]["content"].strip() + "</s>" for e in exchanges)
+    got = _answer_text(tok, marked[0])
+    assert expected.startswith(got) and got.count("</s>") >= 2
+    docs = passages_to_completions(text, 200, 0, ("recall",))
+    spec = DataSpec(text=str(doc), seq_len=1024, format="text", tasks=["recall"], passage_chars=200)
+    sentences = [d.rsplit(": ", 1)[1] for d in docs]  # the lead-in ends with ': ', then the sentence
+    got = _answer_text(tok, training_blocks(spec, tok, answers=True)[0])
+    assert "".join(x + "</s>" for x in sentences).startswith(got) and got.count("</s>") >= 2
+    with pytest.raises(RecipeError, match=r"loss.answer_weight: data.text=.*has no answer tokens.*answer_weight: 1.0"):
+        training_blocks(DataSpec(text=str(doc), seq_len=64, format="text"), tok, answers=True)
 
 
 def test_an_exportable_mla_student_stays_exportable(work, tmp_path):
