@@ -1,26 +1,33 @@
-"""How well models do the training data's copy tasks (``data.tasks``: recall, next), teacher-forced.
+"""How well models do the training data's copy tasks (``data.tasks``: recall, next, fill), teacher-forced.
 
     python scripts/copy_task_accuracy.py MODEL [MODEL ...] [--text python-docs:heldout] [--per-task 15]
-        [--passage-chars 1600]
+        [--passage-chars 1600] [--generate TOKENS]
 
 Builds chat exchanges from held-out text with :func:`hf_csa2.train.data.passages_to_chat` (the same
 code that builds training data; held-out text, so none of them was trained on), renders each user turn
 with the model's chat template and scores the passage's answer: the fraction of answer tokens where
 the model's greedy prediction is the answer token (teacher-forced), and how many answers are right at
 every token. All models must share one tokenizer; they see the same exchanges.
+
+``--generate TOKENS`` scores greedy answers instead, written as ``data.answers: teacher`` writes them
+(:func:`hf_csa2.train.teacher_answers.generate_answers`, at most TOKENS tokens): how many equal the
+passage's sentence (whitespace aside), how many begin with its first five words, how many come out
+empty, and the seconds per answer -- whether a model's own answers would be usable training targets.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
 from hf_csa2.data.corpus import list_text_files, resolve_text
 from hf_csa2.io.sources import load_source
-from hf_csa2.train.data import NEXT_PROMPTS, RECALL_PROMPTS, passages_to_chat
+from hf_csa2.train.data import PROMPTS, passages_to_chat
+from hf_csa2.train.teacher_answers import generate_answers
 
-TASKS = {"recall": RECALL_PROMPTS, "next": NEXT_PROMPTS}
+TASKS = PROMPTS
 
 
 def task_of(user_turn: str) -> str | None:
@@ -54,22 +61,49 @@ def score(model, tokenizer, exchange: list[dict]) -> tuple[int, int]:
     return int((logits.argmax(-1) == torch.tensor(a_ids)).sum()), len(a_ids)
 
 
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def generated(model, tokenizer, items: list[list[dict]], max_new_tokens: int) -> tuple[int, int, int, float]:
+    """(answers equal to the passage's, answers that begin with its first five words, empty answers,
+    seconds per answer) of greedy answers."""
+    started = time.perf_counter()
+    answers = generate_answers(model, tokenizer, [ex[:1] for ex in items], max_new_tokens)
+    seconds = (time.perf_counter() - started) / max(len(items), 1)
+    gold = [_words(ex[1]["content"]) for ex in items]
+    equal = sum(_words(a) == g for a, g in zip(answers, gold))
+    begins = sum(_words(a)[:5] == g[:5] for a, g in zip(answers, gold))
+    return equal, begins, sum(not a for a in answers), seconds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+")
     ap.add_argument("--text", default="python-docs:heldout")
     ap.add_argument("--per-task", type=int, default=15)
     ap.add_argument("--passage-chars", type=int, default=1600)
+    ap.add_argument("--generate", type=int, default=0, metavar="TOKENS",
+                    help="score greedy answers of at most TOKENS tokens instead of teacher-forced tokens")
     args = ap.parse_args()
     loaded = [load_source(m) for m in args.models]
     tokenizer = loaded[0].tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise SystemExit(f"{args.models[0]}: the tokenizer has no chat template; the copy tasks are chat exchanges")
     picked = exchanges(args.text, args.per_task, args.passage_chars)
-    print(f"| model | task | exchanges | answer tokens right | answers right at every token |\n|---|---|---:|---:|---:|")
+    if args.generate:
+        print("| model | task | exchanges | greedy answer = passage's | begins with its first 5 words | empty | "
+              "s / answer |\n|---|---|---:|---:|---:|---:|---:|")
+    else:
+        print("| model | task | exchanges | answer tokens right | answers right at every token |\n|---|---|---:|---:|---:|")
     for name, item in zip(args.models, loaded):
         model = item.model.eval()
         for task, items in picked.items():
+            if args.generate:
+                equal, begins, empty, seconds = generated(model, tokenizer, items, args.generate)
+                n = len(items)
+                print(f"| {name} | {task} | {n} | {equal}/{n} | {begins}/{n} | {empty}/{n} | {seconds:.1f} |", flush=True)
+                continue
             scores = [score(model, tokenizer, ex) for ex in items]
             right, total = sum(s[0] for s in scores), sum(s[1] for s in scores)
             whole = sum(s[0] == s[1] for s in scores)

@@ -299,3 +299,17 @@ def test_stage_report_answer_check_says_which_stage_loses_the_answers(smollm2, t
     assert checks["gqa"]["far"] + checks["gqa"]["near"] <= 2, checks
     stage_lines = [line for line in lines if line.startswith("[stage")]
     assert any("gqa" in line and f"far {checks['gqa']['far']}/4" in line for line in stage_lines), stage_lines
+
+
+def test_teacher_answers_end_at_the_turns_end_and_batching_keeps_each_row(smollm2):
+    """data.answers=teacher on the real template: generation stops at end of turn (no special
+    tokens in the text), and a left-padded batch of prompts of different lengths answers each as alone."""
+    from hf_csa2.train.teacher_answers import generate_answers
+
+    asked = [[{"role": "user", "content": "Reply with one word: what colour is the sky on a clear day?"}],
+             [{"role": "user", "content": "Name the capital of France."}]]
+    together = generate_answers(smollm2.model, smollm2.tokenizer, asked, 24)
+    alone = [generate_answers(smollm2.model, smollm2.tokenizer, [p], 24)[0] for p in asked]
+    assert together == alone and all(together), together
+    assert "blue" in together[0].lower() and "paris" in together[1].lower(), together
+    assert not any("<|" in a for a in together)

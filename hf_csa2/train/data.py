@@ -15,6 +15,7 @@ import datasets
 from ..cache import cache_dir
 from ..data.corpus import list_text_files, resolve_text
 from .recipe import CHAT_TASKS, DataSpec, RecipeError
+from .teacher_answers import with_teacher_answers
 
 TEXT_COLUMNS = ("text", "messages", "input_ids")
 
@@ -70,8 +71,17 @@ NEXT_PROMPTS = (
     'In the text above, which sentence comes right after "{cue}"? Quote it exactly.',
     'Copy out the sentence that directly follows "{cue}" in the passage.',
 )
-# The same two tasks for base models, as text to complete (``data.format: text``): a lead-in that
-# quotes the cue, then the sentence.
+# ``fill``: the passage, then one of its sentences with a word (one that occurs once in the passage)
+# left out; the answer is the word, copied from the passage: a short, exact answer that only the
+# passage holds, read by what surrounds it.
+FILL_PROMPTS = (
+    'One word of this sentence from the text above is left out: "{cue}". Which word goes in the gap? '
+    "Answer with that word only.",
+    'Fill in the blank with the word the passage uses: "{cue}"',
+)
+BLANK = "____"
+# The same tasks for base models, as text to complete (``data.format: text``): a lead-in that
+# quotes the cue, then the sentence (or the word).
 RECALL_LEADS = (
     'The sentence above that begins with "{cue}" reads in full: ',
     'Word for word, the sentence of this passage starting with "{cue}" is: ',
@@ -80,6 +90,12 @@ NEXT_LEADS = (
     'In the text above, the sentence right after "{cue}" is: ',
     'The sentence that directly follows "{cue}" reads: ',
 )
+FILL_LEADS = (
+    'In the text above, the word left out of "{cue}" is: ',
+    'The missing word in "{cue}", as the passage has it, is: ',
+)
+PROMPTS = {"recall": RECALL_PROMPTS, "next": NEXT_PROMPTS, "fill": FILL_PROMPTS}
+LEADS = {"recall": RECALL_LEADS, "next": NEXT_LEADS, "fill": FILL_LEADS}
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.)(?<!\bvs\.)\s+(?=[A-Z\"'(`])")
@@ -108,11 +124,36 @@ def _continue_exchange(chunk: str, k: int) -> list[dict] | None:
             {"role": "assistant", "content": tail}]
 
 
+_WORD = r"[A-Za-z0-9_][\w\-]*[A-Za-z0-9_]"
+
+
+def _whole_word(word: str) -> str:
+    return rf"(?<![\w\-]){re.escape(word)}(?![\w\-])"
+
+
+def _fill_pairs(chunk: str, sentences: list[str]) -> list[tuple[str, str]]:
+    """``(sentence with one word blanked, the word)`` for every word of 4+ characters of a copyable
+    sentence that occurs once in the passage, in any case (so the gap has one answer)."""
+    pairs = []
+    for s in sentences:
+        if not _copyable(s):
+            continue
+        for word in dict.fromkeys(re.findall(_WORD, s)):
+            if len(word) >= 4 and len(re.findall(_whole_word(word), chunk, flags=re.IGNORECASE)) == 1:
+                blanked = re.sub(_whole_word(word), BLANK, s, count=1)
+                pairs.append((" ".join(blanked.split()), word))
+    return pairs
+
+
 def _copy_pick(chunk: str, k: int, task: str) -> tuple[str, str] | None:
     """``(cue, answer)`` of a copy task on one passage: ``recall`` cues a sentence by its first words,
-    ``next`` quotes a whole sentence and answers with the one after it. The cue occurs once in the
-    passage; the pick among those that qualify follows ``k`` (None when none qualify)."""
+    ``next`` quotes a whole sentence and answers with the one after it, ``fill`` quotes a sentence
+    with a word left out and answers with the word. A recall / next cue occurs once in the passage,
+    a fill word too; the pick among those that qualify follows ``k`` (None when none qualify)."""
     sentences = _sentences(chunk)
+    if task == "fill":
+        pairs = _fill_pairs(chunk, sentences)
+        return pairs[random.Random(k).randrange(len(pairs))] if pairs else None
     pairs = []  # (cue, answer)
     for j, s in enumerate(sentences):
         if task == "recall" and _copyable(s):
@@ -170,7 +211,9 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
       turn after a request to continue it, the rest is the assistant's answer;
     - ``recall``: the whole passage, then a request for the sentence that begins with a quoted
       cue (its first words); the answer is that sentence, copied from the passage;
-    - ``next``: the whole passage, then a request for the sentence after a quoted one.
+    - ``next``: the whole passage, then a request for the sentence after a quoted one;
+    - ``fill``: the whole passage, then one of its sentences with a word left out (:data:`BLANK`),
+      asking for the word.
 
     A passage with no sentence that fits a copy task becomes a ``continue`` exchange. Requests
     rotate and picks follow from ``start`` and the position, so the output is deterministic."""
@@ -179,7 +222,7 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
         if task == "continue":
             exchange = _continue_exchange(chunk, k)
         else:
-            prompts = RECALL_PROMPTS if task == "recall" else NEXT_PROMPTS
+            prompts = PROMPTS[task]
             request = prompts[k % len(prompts)].format(cue=pick[0])
             exchange = [{"role": "user", "content": f"{chunk.strip()}\n\n{request}"},
                         {"role": "assistant", "content": pick[1]}]
@@ -205,7 +248,7 @@ def _completion_documents(text: str, passage_chars: int, start: int, tasks: tupl
         if task == "continue":
             yield chunk, None
         else:
-            leads = RECALL_LEADS if task == "recall" else NEXT_LEADS
+            leads = LEADS[task]
             document = f"{chunk.strip()}\n\n{leads[k % len(leads)].format(cue=pick[0])}{pick[1]}"
             yield document, len(document) - len(pick[1])
 
@@ -292,18 +335,31 @@ def chat_format(spec: DataSpec, tokenizer) -> bool:
     return spec.format == "chat"
 
 
-def training_blocks(spec: DataSpec, tokenizer, answers: bool = False) -> datasets.Dataset:
+def training_blocks(spec: DataSpec, tokenizer, answers: bool = False, *, teacher=None,
+                    tokens_needed: int | None = None, log=print) -> datasets.Dataset:
     """``[N]`` records with ``input_ids`` of exactly ``spec.seq_len`` tokens: documents in order,
     each followed by EOS, concatenated and cut (the last partial block of each 1,000 documents is
     dropped). Several ``spec.text`` entries are mixed: their blocks taken in turn, one of each, until
     every one is used up (none repeated). At most ``spec.num_tokens`` tokens (whole blocks, the first
     of that order, so a mix comes in equal parts). With ``answers`` the records also have
     ``answer_mask`` (``[seq_len]``, 1 on answer tokens, see :func:`_renderer`); data with no answer
-    tokens at all is refused (a weight on answers would do nothing)."""
+    tokens at all is refused (a weight on answers would do nothing). With ``spec.answers ==
+    "teacher"``, ``teacher`` (a model sharing ``tokenizer``) writes the answers of the exchanges the
+    run will read: about ``tokens_needed`` tokens (None: all of them; :mod:`.teacher_answers`)."""
     if answers and not getattr(tokenizer, "is_fast", False):
         raise RecipeError("loss.answer_weight needs a fast tokenizer (token offsets); "
                           f"{type(tokenizer).__name__} is not one: use loss.answer_weight: 1.0")
-    parts = [_blocks_of(text, spec, tokenizer, answers) for text in spec.text]
+    if spec.answers == "teacher":
+        if teacher is None:
+            raise ValueError("data.answers=teacher: training_blocks needs the teacher model")
+        if not chat_format(spec, tokenizer) or not getattr(tokenizer, "chat_template", None):
+            raise RecipeError("data.answers=teacher writes the assistant turns of chat exchanges; this student's "
+                              "tokenizer has no chat template (data.format resolves to text, or there is no template "
+                              "to render the teacher's prompts with); use data.answers: passage")
+    caps = [n for n in (spec.num_tokens, tokens_needed) if n is not None]
+    per_part = -(-min(caps) // len(spec.text)) + spec.seq_len if caps else None  # the mix takes parts in turn
+    parts = [_blocks_of(text, spec, tokenizer, answers, teacher=teacher, tokens_needed=per_part, log=log)
+             for text in spec.text]
     if answers and not any(any(m) for part in parts for m in part["answer_mask"]):
         raise RecipeError(f"loss.answer_weight: data.text={list(spec.text)} has no answer tokens (plain text with "
                           "data.tasks [continue] in the text format); use chat exchanges, chat records or copy "
@@ -315,9 +371,13 @@ def training_blocks(spec: DataSpec, tokenizer, answers: bool = False) -> dataset
     return ds.with_format("torch")
 
 
-def _blocks_of(text: str, spec: DataSpec, tokenizer, answers: bool = False) -> datasets.Dataset:
+def _blocks_of(text: str, spec: DataSpec, tokenizer, answers: bool = False, *, teacher=None,
+               tokens_needed: int | None = None, log=print) -> datasets.Dataset:
     """The packed blocks of one ``data.text`` entry."""
     ds = load_records(text)
+    if spec.answers == "teacher" and "messages" not in ds.column_names and "text" not in ds.column_names:
+        raise RecipeError(f"data.answers=teacher: data.text entry {text!r} holds token ids, with no turns to "
+                          "answer; use text, chat records, or data.answers: passage")
     copy_tasks = [t for t in spec.tasks if t != "continue"]
     if copy_tasks and "text" not in ds.column_names:
         raise RecipeError(f"data.tasks={list(spec.tasks)}: the tasks {copy_tasks} are built from plain text, but "
@@ -329,6 +389,9 @@ def _blocks_of(text: str, spec: DataSpec, tokenizer, answers: bool = False) -> d
     elif copy_tasks:
         ds = ds.map(_to_completions(spec.passage_chars, tuple(spec.tasks), answers), batched=True, with_indices=True,
                     remove_columns=ds.column_names, desc="copy-task documents")
+    if spec.answers == "teacher":
+        ds = with_teacher_answers(ds, teacher, tokenizer, max_new_tokens=spec.answer_tokens,
+                                  tokens_needed=tokens_needed, log=log)
     ds = ds.map(_renderer(tokenizer, answers), batched=True, remove_columns=ds.column_names, desc="tokenising")
     ds = ds.map(_packer(spec.seq_len), batched=True, batch_size=1000, desc=f"packing into {spec.seq_len}-token blocks")
     if len(ds) == 0:
@@ -345,5 +408,6 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["CHAT_TASKS", "CONTINUE_PROMPTS", "NEXT_LEADS", "NEXT_PROMPTS", "RECALL_LEADS", "RECALL_PROMPTS",
+__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS",
+           "PROMPTS", "RECALL_LEADS", "RECALL_PROMPTS",
            "chat_format", "load_records", "passages_to_chat", "passages_to_completions", "training_blocks", "write_chat_jsonl"]

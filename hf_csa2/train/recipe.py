@@ -33,7 +33,8 @@ from ..typed_config import CONFIG, Bool, Text, check_keys, describe, doc, int_in
 from ..typed_config import set_fields as set_typed_fields
 
 DATA_FORMATS = ("auto", "text", "chat")
-CHAT_TASKS = ("continue", "recall", "next")
+ANSWER_SOURCES = ("passage", "teacher")
+CHAT_TASKS = ("continue", "recall", "next", "fill")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_STEPS = 10_000_000
 MAX_SEQ = 1 << 20
@@ -73,10 +74,18 @@ class DataSpec:
     tasks: Annotated[list[Literal[CHAT_TASKS]], Field(min_length=1), doc(
         "what passages of plain text become, in turn: continue (chat: the first half asked to be continued; "
         "text: the passage as it is), recall (the whole passage, then: quote the sentence that begins with "
-        "these words), next (the whole passage, then: quote the sentence after this one). In the text format "
-        "recall and next are a lead-in quoting the cue and the sentence, for base models. recall and next train "
+        "these words), next (the whole passage, then: quote the sentence after this one), fill (the whole passage, "
+        "then one of its sentences with a word left out: which word). In the text format recall, next and fill "
+        "are a lead-in quoting the cue and the answer, for base models. recall, next and fill train "
         "copying from the prompt, which perplexity-only distillation does not bring back")] = dataclasses.field(
             default_factory=lambda: ["continue"])
+    answers: Annotated[Literal[ANSWER_SOURCES], doc(
+        "who writes the assistant turns of chat exchanges: passage (the passage's continuation, the sentence a "
+        "copy task asks for; a chat record's own answer) or teacher (the teacher's greedy answer to the same user "
+        "turn, generated once and cached on disk; only as many exchanges as the run reads). Chat format only")] = "passage"
+    answer_tokens: Annotated[int_in(1, 1 << 14), doc(
+        "answers: teacher: tokens generated per answer at most; an answer not ended by then is cut after its last "
+        "full sentence (dropped if it has none)")] = 128
 
 
 @dataclass(config=CONFIG)
@@ -217,6 +226,9 @@ class Recipe:
             raise RecipeError(f"recipe.loss.positions={recipe.loss.positions} must be less than data.seq_len - 1 = "
                               f"{recipe.data.seq_len - 1} (the positions that predict a token of a block); "
                               "null scores every position")
+        if recipe.data.answers == "teacher" and recipe.data.format == "text":
+            raise RecipeError("recipe.data.answers=teacher writes the assistant turns of chat exchanges, but "
+                              "data.format=text has none; use data.format: chat or auto, or data.answers: passage")
         if recipe.loss.indexer_steps >= recipe.steps:
             raise RecipeError(f"recipe.loss.indexer_steps={recipe.loss.indexer_steps} must be less than "
                               f"recipe.steps={recipe.steps} (the indexer steps come first, then the distillation)")
@@ -262,5 +274,5 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     return Recipe.from_dict(data)
 
 
-__all__ = ["CHAT_TASKS", "DataSpec", "EvalSpec", "LOSSES", "LossSpec", "OptimSpec", "PeftSpec", "Recipe", "RecipeError",
+__all__ = ["ANSWER_SOURCES", "CHAT_TASKS", "DataSpec", "EvalSpec", "LOSSES", "LossSpec", "OptimSpec", "PeftSpec", "Recipe", "RecipeError",
            "DATA_FORMATS", "SCHEDULES", "SaveSpec", "ScheduleSpec", "TRAINABLE", "load_recipe", "read_recipe_file"]

@@ -164,6 +164,7 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     teacher_name, checkpoint = check_inputs(recipe, out, resume=resume, overwrite=overwrite)
     student, teacher, tokenizer, student_report = load_models(recipe, teacher_name, log)
     held_out, probes = held_out_sets(recipe, tokenizer)
+    answer_writer = teacher  # the teacher itself: the indexer phase may wrap it below
     model, full_names = prepare_student(student, teacher, recipe)
     indexer = None
     if recipe.loss.uses_indexer:
@@ -171,7 +172,9 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     args = training_arguments(recipe, out / "checkpoints")
     started = time.perf_counter()
     with args.main_process_first(desc="training data"):  # before --out is touched: data errors leave it as it was
-        train_data = training_blocks(recipe.data, tokenizer, answers=recipe.loss.answer_weight != 1.0)
+        train_data = training_blocks(recipe.data, tokenizer, answers=recipe.loss.answer_weight != 1.0,
+                                     teacher=answer_writer, tokens_needed=recipe.steps * recipe.batch
+                                     * recipe.grad_accum * args.world_size * recipe.data.seq_len, log=log)
     if _rank() == 0 and not resume:
         if out.exists():
             shutil.rmtree(out)

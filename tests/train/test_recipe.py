@@ -132,9 +132,9 @@ DOC = "\n\n".join(" ".join(SENTENCES[i:i + 2]) for i in range(0, 8, 2))
 
 
 def _task_of(request: str) -> str:
-    from hf_csa2.train.data import NEXT_PROMPTS, RECALL_PROMPTS
+    from hf_csa2.train.data import PROMPTS
 
-    for name, prompts in (("recall", RECALL_PROMPTS), ("next", NEXT_PROMPTS)):
+    for name, prompts in PROMPTS.items():
         if any(request.startswith(p.split("{cue}")[0]) for p in prompts):
             return name
     return "continue"
@@ -166,6 +166,33 @@ def test_next_exchanges_ask_for_the_sentence_after_a_quoted_one():
         assert SENTENCES.index(answer) == SENTENCES.index(cue) + 1
 
 
+def test_fill_exchanges_leave_out_a_word_the_passage_has_once():
+    from hf_csa2.train.data import BLANK, FILL_PROMPTS, passages_to_chat
+
+    names = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot")
+    sentences = [f"The {w} handler calls parse_{w}_item before it returns." for w in names]
+    doc = "\n\n".join(" ".join(sentences[i:i + 2]) for i in range(0, 6, 2))
+    assert passages_to_chat(DOC, 1000, tasks=("fill",))[0][0]["content"].startswith("Continue")  # no word once
+    answers = set()
+    for k in range(10):
+        user, answer = (m["content"] for m in passages_to_chat(doc, 1000, start=k, tasks=("fill",))[0])
+        passage, _, request = user.rpartition("\n\n")
+        assert passage == doc and _task_of(request) == "fill" and request.startswith(FILL_PROMPTS[k % 2].split('"')[0])
+        cue = request.split('"')[1]
+        assert cue.count(BLANK) == 1 and cue.replace(BLANK, answer) in sentences
+        assert answer in names or answer in {f"parse_{w}_item" for w in names}  # "handler": many times, never asked
+        answers.add(answer)
+    assert len(answers) > 3
+    # words are whole words: "value" inside "values", "read" inside "re-read" do not count as more
+    from hf_csa2.train.data import _fill_pairs, _sentences
+
+    text = "The values are read twice at the start. Every value is re-read later in the loop. Twice it ran."
+    pairs = _fill_pairs(text, _sentences(text))
+    words = {w for _, w in pairs}
+    assert {"value", "values", "read", "re-read", "start", "loop"} <= words and not words & {"The", "twice"}
+    assert ("The values are ____ twice at the start.", "read") in pairs
+
+
 def test_copy_tasks_rotate_and_fall_back_to_continuing_when_no_sentence_fits():
     from hf_csa2.train.data import passages_to_chat
 
@@ -176,24 +203,25 @@ def test_copy_tasks_rotate_and_fall_back_to_continuing_when_no_sentence_fits():
     kinds = [_task_of(user["content"].rpartition("\n\n")[2]) for user, _ in
              passages_to_chat(paragraphs, 150, start=1, tasks=("continue", "recall"))]
     assert kinds == ["recall", "continue"] * 3  # in turn, from tasks[start % 2]
-    with pytest.raises(ValueError, match="allowed values are continue, recall, next"):
+    with pytest.raises(ValueError, match="allowed values are continue, recall, next, fill"):
         passages_to_chat(DOC, 400, tasks=("copy",))
 
 
 def test_completion_copy_tasks_are_the_chat_tasks_as_text():
     """For base models the same passages and picks become documents: passage, a lead-in quoting the
     cue, and the passage's own sentence right after it."""
-    from hf_csa2.train.data import NEXT_LEADS, RECALL_LEADS, passages_to_chat, passages_to_completions
+    from hf_csa2.train.data import LEADS, passages_to_chat, passages_to_completions
 
-    paragraphs = "\n\n".join(" ".join(s.replace("number", f"{p}/") for s in SENTENCES) for p in range(4))
-    tasks = ("recall", "next", "continue")
+    paragraphs = "\n\n".join(" ".join(s.replace("number", f"tag{p}{i}") for i, s in enumerate(SENTENCES))
+                               for p in range(4))
+    tasks = ("recall", "next", "fill", "continue")
     chats = passages_to_chat(paragraphs, 300, start=2, tasks=tasks)
     documents = passages_to_completions(paragraphs, 300, start=2, tasks=tasks)
     assert len(documents) == len(chats) == 4
     for k, (chat, document) in enumerate(zip(chats, documents), start=2):
         user, answer = chat[0]["content"], chat[1]["content"]
         task = _task_of(user.rpartition("\n\n")[2])
-        assert task == tasks[k % 3]
+        assert task == tasks[k % 4]
         if task == "continue":
             head = user.split("\n\n", 1)[1]  # after the request
             assert document.split() == (head + " " + answer).split() and answer not in head  # the passage, whole
@@ -201,18 +229,18 @@ def test_completion_copy_tasks_are_the_chat_tasks_as_text():
         passage, _, completion = document.rpartition("\n\n")
         assert passage == user.rpartition("\n\n")[0] and completion.endswith(": " + answer)
         cue = user.rpartition("\n\n")[2].split('"')[1]
-        leads = RECALL_LEADS if task == "recall" else NEXT_LEADS
+        leads = LEADS[task]
         assert completion == leads[k % len(leads)].format(cue=cue) + answer
-    with pytest.raises(ValueError, match="allowed values are continue, recall, next"):
+    with pytest.raises(ValueError, match="allowed values are continue, recall, next, fill"):
         passages_to_completions(DOC, 400, tasks=())
 
 
 def test_copy_task_templates_are_not_the_evals_templates():
     from hf_csa2.evals.needle import ANSWER_HINT, INSTRUCTION
     from hf_csa2.metrics import answer_check
-    from hf_csa2.train.data import NEXT_LEADS, NEXT_PROMPTS, RECALL_LEADS, RECALL_PROMPTS
+    from hf_csa2.train.data import LEADS, PROMPTS
 
-    for prompt in RECALL_PROMPTS + NEXT_PROMPTS + RECALL_LEADS + NEXT_LEADS:
+    for prompt in [p for group in (*PROMPTS.values(), *LEADS.values()) for p in group]:
         assert INSTRUCTION not in prompt and ANSWER_HINT not in prompt and "controller" not in prompt
         assert not any(thing in prompt for thing in answer_check._THINGS)
 
@@ -222,7 +250,7 @@ def test_recipe_data_tasks_are_validated():
 
     assert load_recipe(None, ["student=x", "data.tasks=[recall, next]"]).data.tasks == ["recall", "next"]
     assert load_recipe(None, ["student=x"]).data.tasks == ["continue"]
-    with pytest.raises(RecipeError, match=r"data.tasks\[0\]='copy'.*allowed: a list of continue, recall, next"):
+    with pytest.raises(RecipeError, match=r"data.tasks\[0\]='copy'.*allowed: a list of continue, recall, next, fill"):
         load_recipe(None, ["student=x", "data.tasks=[copy]"])
     with pytest.raises(RecipeError, match="data.tasks=.*at least 1 item"):
         load_recipe(None, ["student=x", "data.tasks=[]"])

@@ -327,6 +327,8 @@ def test_bad_recipes_exit_2_and_write_nothing(work, tmp_path, capsys):
         (["--resume"], "holds no checkpoint"),
         (["--set", f"data.text={work / 'text.txt'}", "--set", f"eval.texts=[{work / 'text.txt'}]",
           "--set", "eval.answers=2", "--set", "eval.seq_len=64"], "eval.answers=2 with eval.seq_len=64"),
+        (["--set", f"data.text={work / 'text.txt'}", "--set", f"eval.texts=[{work / 'text.txt'}]",
+          "--set", "data.answers=teacher"], "data.answers=teacher writes the assistant turns"),  # no chat template
     ]
     before = tree_digest(work / "mla")
     capsys.readouterr()  # the fixtures' progress output
