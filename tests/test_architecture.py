@@ -28,8 +28,10 @@ ALLOWED_LOCAL_IMPORTS = {
     # the model files are copied next to weights, where hf_csa2 may be absent: the kernel path imports on use
     ("model/sparse_attention.py", "hf_csa2.kernels"),
     ("model/sparse_attention.py", "hf_csa2.kernels.sparse_read"),
+    ("model/indexer.py", "hf_csa2.kernels.indexer"),
     # Triton is imported on first use only, so hf_csa2.kernels imports without it
     ("kernels/sparse_read/op.py", "hf_csa2.kernels.sparse_read"),
+    ("kernels/indexer/op.py", "hf_csa2.kernels.indexer"),
 }
 ROOT = {"cli", "__main__", "__init__"}  # the top layer: one unit
 

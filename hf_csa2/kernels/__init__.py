@@ -9,6 +9,8 @@ imported; slow, meant for tests). Nothing here imports Triton at import time, so
 Ops:
     sparse_read -- :func:`hf_csa2.kernels.sparse_read.sparse_sink_attention`, the kernel of
         :func:`hf_csa2.model.sparse_attention.sparse_sink_attention`.
+    indexer -- :func:`hf_csa2.kernels.indexer.masked_index_scores`, the kernel of
+        :func:`hf_csa2.model.indexer.masked_scores`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .layer_specs import AttentionSpec
-from .sink_attention import eager_sink_attention, sdpa_sink_attention
+from .sink_attention import eager_sink_attention, fla_applies, fla_parallel_attn, fla_sink_attention, sdpa_sink_attention
 
 # A sink this far below any row's logsumexp contributes exp(-1e4) == 0 in fp32: "no sink".
 SINK_OFF = -1.0e4
@@ -65,6 +65,8 @@ class AttentionBase(nn.Module):
                 softcap=self.softcap, dropout=dropout, training=self.training,
             )
         if impl == "sdpa" and self.softcap is None:
+            if self._uses_fla(query, key, attention_mask, dropout):
+                return fla_sink_attention(query, key, value, scaling=self.scaling, sinks=self.sinks)
             return sdpa_sink_attention(
                 query, key, value, attention_mask, scaling=self.scaling, sinks=self.sinks,
                 dropout=dropout, training=self.training,
@@ -80,6 +82,18 @@ class AttentionBase(nn.Module):
             self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling,
             sliding_window=self.sliding_window, **kwargs,
         )
+
+    def _uses_fla(self, query, key, attention_mask, dropout) -> bool:
+        """``dense_attention_path``: "fla" takes fla-core's kernel wherever it applies (a causal
+        prefill or training window: :func:`fla_applies`; other calls, e.g. cached decode steps,
+        stay on torch); "auto" does so for layers with sinks on CUDA where fla-core is
+        installed (without sinks transformers' SDPA / flash paths already fuse the op); "torch" never."""
+        path = getattr(self.config, "dense_attention_path", "auto") or "auto"
+        if path == "torch" or not fla_applies(query, key, attention_mask, dropout):
+            return False
+        if path == "fla":
+            return True
+        return self.sinks is not None and query.device.type == "cuda" and fla_parallel_attn() is not None
 
     def forward(
         self,

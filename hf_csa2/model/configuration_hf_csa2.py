@@ -31,6 +31,12 @@ and masks), plus fields of ours:
   faster on short sequences); see ``sparse_attention.py``; or ``"triton"`` (the fused kernel of
   ``hf_csa2.kernels.sparse_read``: needs hf_csa2 and Triton installed and a CUDA device, or
   ``TRITON_INTERPRET=1``; the attention weights some tools ask for still come from "gather").
+  Where the fused read runs, the indexers score through ``hf_csa2.kernels.indexer`` too.
+* ``dense_attention_path`` -- the softmax attention of dense / MLA-prefill layers under SDPA:
+  ``"auto"`` (fla-core's Triton ``parallel_attn`` for layers with sinks on CUDA where fla-core
+  is installed, else torch), ``"torch"`` (``sink_attention.sdpa_sink_attention``) or ``"fla"``
+  (fla-core wherever it applies: causal prefills and training windows without a padding mask;
+  cached decode steps stay on torch). See ``sink_attention.py``.
 
 This file must import only torch/transformers, the standard library and its siblings: it is
 copied next to the weights so that ``trust_remote_code=True`` loads a checkpoint without
@@ -46,6 +52,7 @@ from typing import Any, TypeVar
 from transformers import AutoConfig, PreTrainedConfig
 
 from .layer_specs import CSA2_MODES, AttentionSpec, DenseSpec, parse_attention_layers
+from .sink_attention import DENSE_ATTENTION_PATHS
 
 SUPPORTED_BASE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 QK_NORM_BASE_MODEL_TYPES = ("qwen3", "gemma3_text")
@@ -68,6 +75,7 @@ _OWN_KEYS = frozenset(
         "attention_layers",
         "mla_attention_path",
         "csa2_read_path",
+        "dense_attention_path",
         "auto_map",
         "architectures",
         "transformers_version",
@@ -124,6 +132,7 @@ class Csa2Config(PreTrainedConfig):
     attention_layers: list | None = None
     mla_attention_path: str = "auto"
     csa2_read_path: str = "auto"
+    dense_attention_path: str = "auto"
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -148,6 +157,9 @@ class Csa2Config(PreTrainedConfig):
             raise ValueError(f"mla_attention_path={self.mla_attention_path!r}; allowed: {', '.join(MLA_ATTENTION_PATHS)}")
         if self.csa2_read_path not in CSA2_READ_PATHS:
             raise ValueError(f"csa2_read_path={self.csa2_read_path!r}; allowed: {', '.join(CSA2_READ_PATHS)}")
+        if self.dense_attention_path not in DENSE_ATTENTION_PATHS:
+            raise ValueError(f"dense_attention_path={self.dense_attention_path!r}; allowed: "
+                             f"{', '.join(DENSE_ATTENTION_PATHS)}")
 
     @classmethod
     def from_base_config(cls, base_config: PreTrainedConfig, attention_layers: list[dict]) -> "Csa2Config":

@@ -48,7 +48,7 @@ from .indexer import Indexer
 from .latent_attention import LatentAttention
 from .layer_specs import Csa2FullSpec, Csa2ReaderSpec, MlaSpec
 from .preallocated_cache import PreallocatedIndexedLayer, PreallocatedSlidingWindowLayer, own_cache_layer
-from .sparse_attention import SparseSegment, drop_padding, sparse_sink_attention, window_index
+from .sparse_attention import SparseSegment, drop_padding, sparse_sink_attention, uses_fused_kernels, window_index
 
 
 def read_path(config) -> str:
@@ -240,7 +240,8 @@ class Csa2FullAttention(LatentAttention):
         s = latent.shape[2]
         positions = torch.arange(s - t, s, device=hidden_states.device)  # [T]
         iq, iw = self.indexer.queries(hidden_states, position_embeddings)
-        top = self.indexer.select(iq, iw, index_keys, positions, self.top_k, self.window, starts=starts)  # [B, T, K]
+        top = self.indexer.select(iq, iw, index_keys, positions, self.top_k, self.window, starts=starts,
+                                  fused=uses_fused_kernels(read_path(self.config), hidden_states.device))  # [B, T, K]
         segments = []
         if self.exact_window:
             segments.append(self.window_segment(hidden_states, position_embeddings, layer, positions, starts))
@@ -376,7 +377,8 @@ class Csa2ReaderAttention(DenseSinkAttention):
         if self.mode == "reindex":
             full = self.peers[self.layer_spec.entries].scratch
             iq, iw = self.indexer.queries(hidden_states, full["position_embeddings"])
-            top = self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window, starts=starts)
+            top = self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window, starts=starts,
+                                      fused=uses_fused_kernels(read_path(self.config), hidden_states.device))
             return top.masked_fill(top < self.sink_tokens, -1)  # held exactly in the own segment
         top = self.peers[self.layer_spec.source].scratch["top_k"]
         inside = top > positions[None, :, None] - self.window

@@ -81,37 +81,74 @@ class Indexer(nn.Module):
 
     def scores(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Index scores [B, T, S] of queries [B, T, n_I, d_I] (weights [B, T, n_I]) against keys [B, S, d_I]."""
-        dots = torch.einsum("btnd,bsd->btns", queries.float(), keys.float()).relu_()
-        return torch.einsum("btns,btn->bts", dots, weights.float())
+        return index_scores(queries, weights, keys)
 
     def select(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                query_positions: torch.Tensor, top_k: int, window: int, chunk: int = 256,
-               starts: torch.Tensor | None = None) -> torch.Tensor:
+               starts: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
         """Top-K positions [B, T, K] (-1 = none) among ``j <= t - window`` for each query.
 
         queries [B, T, n_I, d_I] at absolute positions query_positions [T]; keys [B, S, d_I]
         at positions 0..S-1; ``starts`` [B]: each row's first real position (left padding is
         never picked), or None. Processed in chunks of queries so memory stays O(chunk * S).
+        ``fused``: score with hf_csa2's Triton kernel (``hf_csa2.kernels.indexer``) instead of
+        torch; the same selection.
         """
-        b, t = queries.shape[:2]
-        s = keys.shape[1]
-        k = min(top_k, s)
-        out = []
-        for start in range(0, t, chunk):
-            stop = min(start + chunk, t)
-            sc = self.scores(queries[:, start:stop], weights[:, start:stop], keys)  # [B, c, S]
-            last = query_positions[start:stop, None] - window  # newest selectable position
-            allowed = (torch.arange(s, device=keys.device)[None, :] <= last)[None]  # [1, c, S]
-            if starts is not None:
-                allowed = allowed & (torch.arange(s, device=keys.device)[None, None, :] >= starts[:, None, None])
-            sc = sc.masked_fill(~allowed, float("-inf"))
-            idx = top_k_earliest_first(sc, k)  # [B, c, k]
-            val = sc.gather(-1, idx)
-            out.append(torch.where(torch.isfinite(val), idx, torch.full_like(idx, -1)))
-        idx = torch.cat(out, dim=1)
-        if k < top_k:  # fewer entries than K so far: pad
-            idx = torch.cat([idx, idx.new_full((b, t, top_k - k), -1)], dim=-1)
-        return idx
+        scores = _fused_masked_scores() if fused else masked_scores
+        return select_top_k(queries, weights, keys, query_positions, top_k, window, chunk, starts, scores)
 
 
-__all__ = ["Indexer", "top_k_earliest_first"]
+def index_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``sum_h w_h * ReLU(q_h . k_j)``: queries [B, T, n_I, d_I], weights [B, T, n_I], keys
+    [B, S, d_I] -> scores [B, T, S] fp32."""
+    dots = torch.einsum("btnd,bsd->btns", queries.float(), keys.float()).relu_()
+    return torch.einsum("btns,btn->bts", dots, weights.float())
+
+
+def masked_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                  window: int, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`index_scores` [B, T, S] fp32 with -inf where position ``j`` may not be picked by
+    the query at ``query_positions[t]``: ``j > t - window`` (its window, or the future) or
+    ``j < starts[b]`` (left padding; ``starts`` [B] or None)."""
+    s = keys.shape[1]
+    j = torch.arange(s, device=keys.device)
+    allowed = (j[None, :] <= query_positions[:, None] - window)[None]  # [1, T, S]
+    if starts is not None:
+        allowed = allowed & (j[None, None, :] >= starts[:, None, None])
+    return index_scores(queries, weights, keys).masked_fill(~allowed, float("-inf"))
+
+
+def select_top_k(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
+                 top_k: int, window: int, chunk: int = 256, starts: torch.Tensor | None = None,
+                 scores=masked_scores) -> torch.Tensor:
+    """:meth:`Indexer.select` with the scoring function ``scores`` (same signature as
+    :func:`masked_scores`): Top-K positions [B, T, top_k], -1 where fewer are selectable."""
+    b, t = queries.shape[:2]
+    s = keys.shape[1]
+    k = min(top_k, s)
+    out = []
+    for start in range(0, t, chunk):
+        stop = min(start + chunk, t)
+        sc = scores(queries[:, start:stop], weights[:, start:stop], keys, query_positions[start:stop], window,
+                    starts)  # [B, c, S]
+        idx = top_k_earliest_first(sc, k)  # [B, c, k]
+        val = sc.gather(-1, idx)
+        out.append(torch.where(torch.isfinite(val), idx, torch.full_like(idx, -1)))
+    idx = torch.cat(out, dim=1) if out else queries.new_empty((b, 0, k), dtype=torch.long)
+    if k < top_k:  # fewer entries than K so far: pad
+        idx = torch.cat([idx, idx.new_full((b, t, top_k - k), -1)], dim=-1)
+    return idx
+
+
+def _fused_masked_scores():
+    """The Triton kernel of :func:`masked_scores`; it lives in hf_csa2 (this file is also copied
+    next to converted weights, where hf_csa2 may be absent: then the path is refused)."""
+    try:
+        from hf_csa2.kernels.indexer import masked_index_scores
+    except ImportError as err:
+        raise ValueError(f"the fused indexer needs the hf-csa2 package with Triton ({err}); pip install "
+                         "'hf-csa2[triton]', or set csa2_read_path to 'gather' or 'scores'") from None
+    return masked_index_scores
+
+
+__all__ = ["Indexer", "index_scores", "masked_scores", "select_top_k", "top_k_earliest_first"]

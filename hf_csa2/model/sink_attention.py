@@ -5,9 +5,12 @@ to the numerator: real-token weights become ``a_j = exp(z_j) / (exp(s_h) + Z)``.
 the sink is a virtual key whose logit is ``s_h`` and whose value is the zero vector, or a gate
 ``out = sigmoid(logsumexp(z) - s_h) * out_dense``.
 
-Two implementations, same contract:
+Three implementations, same contract:
 
 * :func:`eager_sink_attention` -- the readable reference (explicit logits, fp32 softmax).
+* :func:`fla_sink_attention` -- fla-core's Triton ``parallel_attn`` (it takes a sink bias,
+  forward and backward) for causal prefills and training windows; used on CUDA where fla-core
+  is installed (``dense_attention_path``), never written again here.
 * :func:`sdpa_sink_attention` -- ``torch.nn.functional.scaled_dot_product_attention`` for the
   dense part, times the sink gate computed by a second fused call in which the sink is a
   virtual key (one extra head dimension carries ``s_h``); on CPU without gradients one fused
@@ -167,6 +170,48 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out.transpose(1, 2).contiguous(), None
 
 
+DENSE_ATTENTION_PATHS = ("auto", "torch", "fla")
+
+
+def fla_applies(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                dropout_p: float = 0.0) -> bool:
+    """Whether fla-core's ``parallel_attn`` computes this call: causal attention of T queries over
+    the same T keys (no cached prefix, no padding mask, no dropout), head sizes <= 256."""
+    return (attention_mask is None and query.shape[2] == key.shape[2] and dropout_p == 0.0
+            and query.shape[-1] <= 256)
+
+
+def fla_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float,
+                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+    """Causal attention with sinks through fla-core's Triton ``parallel_attn`` (forward and
+    backward; its ``sink_bias`` adds ``exp(s_h)`` to the denominator only, as here).
+
+    query [B, HQ, T, Dk], key [B, H, T, Dk], value [B, H, T, Dv] (HQ % H == 0) -> (out [B, T, HQ, Dv], None).
+    Only for calls where :func:`fla_applies`; needs fla-core and a device Triton runs on (CUDA,
+    or ``TRITON_INTERPRET=1`` on CPU).
+    """
+    parallel_attn = fla_parallel_attn()
+    if parallel_attn is None:
+        raise ValueError("dense_attention_path='fla' needs fla-core (pip install 'hf-csa2[fla]'); "
+                         f"allowed without it: {', '.join(p for p in DENSE_ATTENTION_PATHS if p != 'fla')}")
+    if value.shape[1] != key.shape[1]:
+        value = value.expand(value.shape[0], key.shape[1], *value.shape[2:])
+    sink_bias = None if sinks is None else sinks.to(query.dtype)
+    out = parallel_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scaling,
+                        sink_bias=sink_bias)
+    return out, None
+
+
+def fla_parallel_attn():
+    """fla-core's ``parallel_attn``, or None where fla-core is not installed (this file is also
+    copied next to converted weights)."""
+    try:
+        from fla.ops.attn.parallel import parallel_attn
+    except ImportError:
+        return None
+    return parallel_attn
+
+
 def grouped_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, *, scaling: float,
                              sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
@@ -218,5 +263,5 @@ def _lse_call_applies(query, key, value, sinks, dropout_p) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-__all__ = ["allowed_mask", "eager_sink_attention", "expand_kv", "grouped_decode_attention", "masked_logits", "one_head_size",
+__all__ = ["DENSE_ATTENTION_PATHS", "allowed_mask", "fla_applies", "fla_parallel_attn", "fla_sink_attention", "eager_sink_attention", "expand_kv", "grouped_decode_attention", "masked_logits", "one_head_size",
            "sdpa_sink_attention"]

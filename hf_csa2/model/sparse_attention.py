@@ -163,9 +163,7 @@ def sparse_sink_attention(
     if path not in READ_PATHS:
         raise ValueError(f"path={path!r}; allowed: {', '.join(READ_PATHS)}")
     device = segments[0].query.device
-    if path == "auto" and device.type == "cuda" and _fused_read_runs():
-        path = "triton"
-    if path == "triton":
+    if uses_fused_kernels(path, device):
         if not return_weights:
             return _triton_read()(segments, scaling=scaling, sinks=sinks)
         path = "gather"  # the kernel never forms the weights
@@ -236,6 +234,16 @@ def auto_read_path(device: torch.device, fused_runs: bool, store_rows: int | Non
     if store_rows is not None and index_width and store_rows <= SCORES_STORE_FACTOR * index_width:
         return "scores"
     return "gather"
+
+
+def uses_fused_kernels(path: str, device: torch.device) -> bool:
+    """Whether the read path ``path`` runs hf_csa2's Triton kernels for tensors on ``device``
+    ("triton", or "auto" on CUDA where they can run); "triton" where they cannot run is
+    refused with the fix. CSA2 layers score their indexers the same way as they read."""
+    if path == "triton":
+        _triton_read()
+        return True
+    return path == "auto" and device.type == "cuda" and _fused_read_runs()
 
 
 def _fused_read_runs() -> bool:
@@ -315,5 +323,5 @@ def drop_padding(index: torch.Tensor, starts: torch.Tensor | None, first_positio
     return index.masked_fill(index + first_position < starts[:, None, None], -1)
 
 
-__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "auto_read_path", "drop_padding", "gather_entries", "gathered_values", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
+__all__ = ["READ_PATHS", "TORCH_READ_PATHS", "SparseSegment", "auto_read_path", "uses_fused_kernels", "drop_padding", "gather_entries", "gathered_values", "grouped_read", "scattered_read", "scored_logits", "segment_logits",
            "sparse_sink_attention", "window_index"]

@@ -63,3 +63,25 @@ def test_weights_on_the_triton_path_come_from_the_reference():
     out, weights = sparse_sink_attention(segs, scaling=0.3, return_weights=True, path="triton")
     ref, ref_weights = sparse_sink_attention(segs, scaling=0.3, return_weights=True)
     assert torch.equal(weights, ref_weights) and torch.equal(out[0], ref[0])
+
+
+def test_triton_path_scores_the_indexers_with_the_kernel(monkeypatch):
+    import hf_csa2.kernels.indexer as fused_indexer
+
+    model, _, _ = csa2_model("llama", *MIXED_PLAN, sink_tokens=2)
+    x = ids(batch=1, length=11)
+    kernel, calls = fused_indexer.masked_index_scores, []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return kernel(*args, **kwargs)
+
+    with torch.no_grad():
+        reference = model(x).logits
+        assert not calls
+        model.config.csa2_read_path = "triton"
+        monkeypatch.setattr(fused_indexer, "masked_index_scores", counting)
+        fused = model(x).logits
+    indexed = sum(mode in ("full", "reindex") for mode in MIXED_PLAN[0])
+    assert len(calls) == indexed  # one chunk of 11 queries per full / reindex layer
+    assert (fused - reference).abs().max() <= 1e-4
