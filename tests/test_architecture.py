@@ -104,12 +104,14 @@ def optional_imports(tree) -> set[int]:
 
 def test_model_package_is_self_contained():
     """Copied next to checkpoints: it may import only torch, transformers and itself; the Triton
-    kernels of hf_csa2 only optionally (inside a try that handles ImportError)."""
+    kernels of hf_csa2 and fla-core's only optionally (inside a try that handles ImportError)."""
     for path in (PACKAGE / "model").glob("*.py"):
         tree = ast.parse(path.read_text())
         optional = optional_imports(tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.startswith("hf_csa2.kernels"):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] == "fla":
+                assert id(node) in optional, (path.name, node.module, "import fla-core only optionally")
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.startswith("hf_csa2.kernels"):
                 assert id(node) in optional, (path.name, node.module, "import hf_csa2.kernels only optionally")
             elif isinstance(node, ast.ImportFrom) and node.level == 0:
                 assert node.module.split(".")[0] in {"torch", "transformers", "__future__", "math", "copy", "typing",
