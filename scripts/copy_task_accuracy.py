@@ -1,4 +1,4 @@
-"""How well models do the training data's copy tasks (``data.tasks``: recall, next, fill), teacher-forced.
+"""How well models do the training data's copy tasks (``data.tasks``: recall, next, fill, first), teacher-forced.
 
     python scripts/copy_task_accuracy.py MODEL [MODEL ...] [--text python-docs:heldout] [--per-task 15]
         [--passage-chars 1600] [--generate TOKENS]
@@ -33,7 +33,7 @@ TASKS = PROMPTS
 def task_of(user_turn: str) -> str | None:
     request = user_turn.rpartition("\n\n")[2]
     for name, prompts in TASKS.items():
-        if any(request.startswith(p.split("{cue}")[0]) for p in prompts):
+        if any(request.startswith(p.split("{")[0]) for p in prompts):
             return name
     return None
 

@@ -80,6 +80,13 @@ FILL_PROMPTS = (
     'Fill in the blank with the word the passage uses: "{cue}"',
 )
 BLANK = "____"
+# ``first``: the passage, then two of its words (each occurring once, far apart) and the question which
+# one the passage has first; the answer is that word: the order of two things read from far back, which
+# no single sentence holds.
+FIRST_PROMPTS = (
+    'Of the words "{a}" and "{b}", which one appears earlier in the text above? Answer with that word only.',
+    'Which comes first in this passage, the word "{a}" or the word "{b}"? Reply with just that word.',
+)
 # The same tasks for base models, as text to complete (``data.format: text``): a lead-in that
 # quotes the cue, then the sentence (or the word).
 RECALL_LEADS = (
@@ -94,8 +101,17 @@ FILL_LEADS = (
     'In the text above, the word left out of "{cue}" is: ',
     'The missing word in "{cue}", as the passage has it, is: ',
 )
-PROMPTS = {"recall": RECALL_PROMPTS, "next": NEXT_PROMPTS, "fill": FILL_PROMPTS}
-LEADS = {"recall": RECALL_LEADS, "next": NEXT_LEADS, "fill": FILL_LEADS}
+FIRST_LEADS = (
+    'Of the words "{a}" and "{b}", the one that appears earlier in the text above is: ',
+    'Between "{a}" and "{b}", the word this passage has first is: ',
+)
+PROMPTS = {"recall": RECALL_PROMPTS, "next": NEXT_PROMPTS, "fill": FILL_PROMPTS, "first": FIRST_PROMPTS}
+LEADS = {"recall": RECALL_LEADS, "next": NEXT_LEADS, "fill": FILL_LEADS, "first": FIRST_LEADS}
+
+
+def _request(template: str, cue) -> str:
+    """A prompt or lead-in with its cue: one quoted text, or the two words of ``first``."""
+    return template.format(a=cue[0], b=cue[1]) if isinstance(cue, tuple) else template.format(cue=cue)
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?<!e\.g\.)(?<!i\.e\.)(?<!\bvs\.)\s+(?=[A-Z\"'(`])")
@@ -145,11 +161,39 @@ def _fill_pairs(chunk: str, sentences: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
+def _unique_words(chunk: str) -> list[tuple[int, str]]:
+    """``(character offset, word)`` of every word of 4+ characters that occurs once in the passage
+    (any case, whole words), in passage order."""
+    seen: dict[str, list[tuple[int, str]]] = {}
+    for m in re.finditer(_WORD, chunk):
+        seen.setdefault(m.group().lower(), []).append((m.start(), m.group()))
+    return sorted(v[0] for v in seen.values() if len(v) == 1 and len(v[0][1]) >= 4)
+
+
+def _first_pick(chunk: str, k: int) -> tuple[tuple[str, str], str] | None:
+    """``((word a, word b), the earlier of them)``: two words that each occur once in the passage,
+    at least a third of the passage apart; which is asked first follows ``k``, so the answer is the
+    first word asked as often as the second."""
+    words = _unique_words(chunk)
+    gap = len(chunk) // 3
+    rng = random.Random(k)
+    early = [w for w in words if w[0] + gap < words[-1][0]] if words else []
+    if not early:
+        return None
+    start, earlier = rng.choice(early)
+    start2, later = rng.choice([w for w in words if w[0] >= start + gap])
+    pair = (earlier, later) if rng.random() < 0.5 else (later, earlier)
+    return pair, earlier
+
+
 def _copy_pick(chunk: str, k: int, task: str) -> tuple[str, str] | None:
     """``(cue, answer)`` of a copy task on one passage: ``recall`` cues a sentence by its first words,
     ``next`` quotes a whole sentence and answers with the one after it, ``fill`` quotes a sentence
-    with a word left out and answers with the word. A recall / next cue occurs once in the passage,
-    a fill word too; the pick among those that qualify follows ``k`` (None when none qualify)."""
+    with a word left out and answers with the word, ``first`` names two words (the cue is the pair)
+    and answers with the one the passage has first. A recall / next cue occurs once in the passage,
+    a fill or first word too; the pick among those that qualify follows ``k`` (None when none qualify)."""
+    if task == "first":
+        return _first_pick(chunk, k)
     sentences = _sentences(chunk)
     if task == "fill":
         pairs = _fill_pairs(chunk, sentences)
@@ -213,7 +257,9 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
       cue (its first words); the answer is that sentence, copied from the passage;
     - ``next``: the whole passage, then a request for the sentence after a quoted one;
     - ``fill``: the whole passage, then one of its sentences with a word left out (:data:`BLANK`),
-      asking for the word.
+      asking for the word;
+    - ``first``: the whole passage, then two of its words (each once in it, a third of it apart),
+      asking which comes first; the answer is that word.
 
     A passage with no sentence that fits a copy task becomes a ``continue`` exchange. Requests
     rotate and picks follow from ``start`` and the position, so the output is deterministic."""
@@ -223,7 +269,7 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
             exchange = _continue_exchange(chunk, k)
         else:
             prompts = PROMPTS[task]
-            request = prompts[k % len(prompts)].format(cue=pick[0])
+            request = _request(prompts[k % len(prompts)], pick[0])
             exchange = [{"role": "user", "content": f"{chunk.strip()}\n\n{request}"},
                         {"role": "assistant", "content": pick[1]}]
         if exchange:
@@ -249,7 +295,7 @@ def _completion_documents(text: str, passage_chars: int, start: int, tasks: tupl
             yield chunk, None
         else:
             leads = LEADS[task]
-            document = f"{chunk.strip()}\n\n{leads[k % len(leads)].format(cue=pick[0])}{pick[1]}"
+            document = f"{chunk.strip()}\n\n{_request(leads[k % len(leads)], pick[0])}{pick[1]}"
             yield document, len(document) - len(pick[1])
 
 
@@ -408,6 +454,6 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS",
+__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "FIRST_LEADS", "FIRST_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS",
            "PROMPTS", "RECALL_LEADS", "RECALL_PROMPTS",
            "chat_format", "load_records", "passages_to_chat", "passages_to_completions", "training_blocks", "write_chat_jsonl"]

@@ -34,7 +34,7 @@ from ..typed_config import set_fields as set_typed_fields
 
 DATA_FORMATS = ("auto", "text", "chat")
 ANSWER_SOURCES = ("passage", "teacher")
-CHAT_TASKS = ("continue", "recall", "next", "fill")
+CHAT_TASKS = ("continue", "recall", "next", "fill", "first")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_STEPS = 10_000_000
 MAX_SEQ = 1 << 20
@@ -75,8 +75,9 @@ class DataSpec:
         "what passages of plain text become, in turn: continue (chat: the first half asked to be continued; "
         "text: the passage as it is), recall (the whole passage, then: quote the sentence that begins with "
         "these words), next (the whole passage, then: quote the sentence after this one), fill (the whole passage, "
-        "then one of its sentences with a word left out: which word). In the text format recall, next and fill "
-        "are a lead-in quoting the cue and the answer, for base models. recall, next and fill train "
+        "then one of its sentences with a word left out: which word), first (the whole passage, then two of its "
+        "words: which comes first). In the text format the copy tasks "
+        "are a lead-in quoting the cue and the answer, for base models. The copy tasks train "
         "copying from the prompt, which perplexity-only distillation does not bring back")] = dataclasses.field(
             default_factory=lambda: ["continue"])
     answers: Annotated[Literal[ANSWER_SOURCES], doc(

@@ -135,7 +135,7 @@ def _task_of(request: str) -> str:
     from hf_csa2.train.data import PROMPTS
 
     for name, prompts in PROMPTS.items():
-        if any(request.startswith(p.split("{cue}")[0]) for p in prompts):
+        if any(request.startswith(p.split("{")[0]) for p in prompts):
             return name
     return "continue"
 
@@ -193,6 +193,30 @@ def test_fill_exchanges_leave_out_a_word_the_passage_has_once():
     assert ("The values are ____ twice at the start.", "read") in pairs
 
 
+def test_first_exchanges_ask_which_of_two_far_apart_words_the_passage_has_first():
+    from hf_csa2.train.data import FIRST_PROMPTS, passages_to_chat
+
+    names = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
+    doc = "\n\n".join(f"The {w} handler runs before it returns." for w in names)
+    asked_first = []
+    for k in range(40):
+        user, answer = (m["content"] for m in passages_to_chat(doc, 1000, start=k, tasks=("first",))[0])
+        passage, _, request = user.rpartition("\n\n")
+        assert passage == doc and _task_of(request) == "first" and request.startswith(FIRST_PROMPTS[k % 2].split('"')[0])
+        a, b = request.split('"')[1], request.split('"')[3]
+        assert {a, b} <= set(names) and answer in (a, b)
+        assert doc.index(answer) == min(doc.index(a), doc.index(b))  # the earlier one, not the first asked
+        assert abs(doc.index(a) - doc.index(b)) >= len(doc) // 3
+        asked_first.append(answer == a)
+    assert 10 <= sum(asked_first) <= 30  # the answer is not always the word asked first
+    # every word repeated, or fewer than two words that occur once: continue instead
+    assert _task_of(passages_to_chat(DOC, 1000, tasks=("first",))[0][0]["content"]) == "continue"
+    assert _task_of(passages_to_chat("Token token token token token token unique.", 40, tasks=("first",))[0][0]["content"]) == "continue"
+    from hf_csa2.train.data import _unique_words
+
+    assert [w for _, w in _unique_words("Value values VALUE read re-read, read once.")] == ["values", "re-read", "once"]
+
+
 def test_copy_tasks_rotate_and_fall_back_to_continuing_when_no_sentence_fits():
     from hf_csa2.train.data import passages_to_chat
 
@@ -214,23 +238,25 @@ def test_completion_copy_tasks_are_the_chat_tasks_as_text():
 
     paragraphs = "\n\n".join(" ".join(s.replace("number", f"tag{p}{i}") for i, s in enumerate(SENTENCES))
                                for p in range(4))
-    tasks = ("recall", "next", "fill", "continue")
+    tasks = ("recall", "next", "fill", "continue", "first")
     chats = passages_to_chat(paragraphs, 300, start=2, tasks=tasks)
     documents = passages_to_completions(paragraphs, 300, start=2, tasks=tasks)
     assert len(documents) == len(chats) == 4
     for k, (chat, document) in enumerate(zip(chats, documents), start=2):
         user, answer = chat[0]["content"], chat[1]["content"]
         task = _task_of(user.rpartition("\n\n")[2])
-        assert task == tasks[k % 4]
+        assert task == tasks[k % 5]
         if task == "continue":
             head = user.split("\n\n", 1)[1]  # after the request
             assert document.split() == (head + " " + answer).split() and answer not in head  # the passage, whole
             continue
         passage, _, completion = document.rpartition("\n\n")
         assert passage == user.rpartition("\n\n")[0] and completion.endswith(": " + answer)
-        cue = user.rpartition("\n\n")[2].split('"')[1]
+        quoted = user.rpartition("\n\n")[2].split('"')
         leads = LEADS[task]
-        assert completion == leads[k % len(leads)].format(cue=cue) + answer
+        lead = leads[k % len(leads)]
+        lead = lead.format(a=quoted[1], b=quoted[3]) if task == "first" else lead.format(cue=quoted[1])
+        assert completion == lead + answer
     with pytest.raises(ValueError, match="allowed values are continue, recall, next, fill"):
         passages_to_completions(DOC, 400, tasks=())
 
@@ -242,6 +268,7 @@ def test_copy_task_templates_are_not_the_evals_templates():
 
     for prompt in [p for group in (*PROMPTS.values(), *LEADS.values()) for p in group]:
         assert INSTRUCTION not in prompt and ANSWER_HINT not in prompt and "controller" not in prompt
+        assert "alarm" not in prompt and "triggered" not in prompt  # the needles' order question
         assert not any(thing in prompt for thing in answer_check._THINGS)
 
 
@@ -250,7 +277,7 @@ def test_recipe_data_tasks_are_validated():
 
     assert load_recipe(None, ["student=x", "data.tasks=[recall, next]"]).data.tasks == ["recall", "next"]
     assert load_recipe(None, ["student=x"]).data.tasks == ["continue"]
-    with pytest.raises(RecipeError, match=r"data.tasks\[0\]='copy'.*allowed: a list of continue, recall, next, fill"):
+    with pytest.raises(RecipeError, match=r"data.tasks\[0\]='copy'.*allowed: a list of continue, recall, next, fill, first"):
         load_recipe(None, ["student=x", "data.tasks=[copy]"])
     with pytest.raises(RecipeError, match="data.tasks=.*at least 1 item"):
         load_recipe(None, ["student=x", "data.tasks=[]"])
