@@ -146,3 +146,29 @@ def test_mla_explicit_prefill_with_sinks_through_fla_equals_torch(monkeypatch):
         got = model(x).logits
     assert calls == [17] * len(model.model.layers)  # 96-wide keys vs 64-wide values in real MLA: widths differ here too
     assert (got - want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch, shared", [("llama", False), ("llama", True), ("qwen3", False)])
+def test_mla_absorbed_prefill_with_sinks_through_fla_gives_torch_logits_and_gradients(arch, shared, monkeypatch):
+    """Absorbed MLA (issue 19 op c): every query head reads the one latent (values r+1 wide, keys
+    r+1+rope wide, neither a power of two) through fla-core's kernel, sinks in its denominator."""
+    from ..model.test_latent_attention import low_rank_mla
+
+    model = low_rank_mla(arch, shared=shared, sinks=True).to(DEVICE)
+    model.config._attn_implementation = "sdpa"
+    model.config.mla_attention_path = "absorbed"
+    x = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    params = [p for p in model.parameters()]
+    model.config.dense_attention_path = "torch"
+    want = model(x).logits
+    want_grads = torch.autograd.grad(want.logsumexp(-1).sum(), params, allow_unused=True)
+    calls = counting_fla(monkeypatch)
+    model.config.dense_attention_path = "fla"
+    got = model(x).logits
+    got_grads = torch.autograd.grad(got.logsumexp(-1).sum(), params, allow_unused=True)
+    assert calls == [21] * len(model.model.layers)
+    assert (got - want).abs().max() <= 1e-4
+    for a, b in zip(got_grads, want_grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (a - b).abs().max() <= 1e-4
