@@ -28,7 +28,8 @@ from .validate import PublishError, PublishSet, check_folder, load_problems
 
 PUSH_FORMATS = ("native", "deepseek_v3")
 #: Above this many bytes (and without --create-pr / --revision / a commit message to keep) the
-#: upload goes through ``upload_large_folder`` (resumable, several workers).
+#: upload goes through ``upload_large_folder`` (resumable, several workers) where the installed
+#: huggingface_hub has it (1.x); 2.x's ``upload_folder`` is resumable itself.
 LARGE_FOLDER_BYTES = 5 * 1024**3
 
 
@@ -154,7 +155,10 @@ def push(folder: str | os.PathLike, repo_id: str, options: PushOptions | None = 
         message = options.commit_message or f"Upload {Path(folder).name} with hf-csa2"
         api.create_repo(repo_id, repo_type="model", private=options.private, exist_ok=True)
         large = chosen.total_bytes > LARGE_FOLDER_BYTES
-        if large and not (options.create_pr or options.revision or options.commit_message):
+        # huggingface_hub 1.x only: 2.0 removed upload_large_folder, its upload_folder commits a big
+        # folder in parts and resumes by itself
+        if large and hasattr(api, "upload_large_folder") and not (
+                options.create_pr or options.revision or options.commit_message):
             api.upload_large_folder(repo_id=repo_id, folder_path=str(staged), repo_type="model",
                                     private=options.private)
             result["url"] = f"https://huggingface.co/{repo_id}"

@@ -4,6 +4,7 @@ in a temporary HF cache, loaded offline by repo ID without hf_csa2)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -17,7 +18,6 @@ import torch
 from huggingface_hub import ModelCard
 from tiny_models import save_tiny_source
 
-import hf_csa2.publish.push as push_module
 from hf_csa2.cli import main as cli_main
 from hf_csa2.io.sources import load_source
 from hf_csa2.io.trust import CODE_MANIFEST, model_code_problems
@@ -25,6 +25,8 @@ from hf_csa2.publish import PublishError, PushOptions, push
 from hf_csa2.publish.provenance import source_provenance
 from hf_csa2.surgery.pipeline import convert
 
+# the module, not the package's ``push`` function of the same name
+push_module = importlib.import_module("hf_csa2.publish.push")
 REPO = "someone/tiny-mqa-sinks"
 SECRET = "hf_SECRETTOKENthatmustneverbeprinted"
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
@@ -120,6 +122,44 @@ def test_create_pr_uploads_as_a_pull_request_without_a_branch(folder):
          log=lambda m: None)
     assert [c[0] for c in api.calls] == ["create_repo", "upload_folder"]
     assert api.calls[1][2]["create_pr"] is True
+
+
+class RecordingApiHub1(RecordingApi):
+    """huggingface_hub 1.x's ``HfApi`` also has ``upload_large_folder`` (2.0 removed it: its
+    ``upload_folder`` commits a big folder in parts and resumes by itself)."""
+
+    def upload_large_folder(self, *, repo_id, folder_path, **kwargs):
+        self.calls.append(("upload_large_folder", repo_id, kwargs))
+        root = Path(folder_path)
+        self.uploaded = {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_large_folder_takes_the_resumable_upload_the_installed_hub_has(folder, monkeypatch):
+    """Above LARGE_FOLDER_BYTES: hub 1.x's ``upload_large_folder`` (no commit message, branch or PR:
+    asking for one keeps ``upload_folder``), else ``upload_folder``, which is resumable in hub 2.x.
+    Calls to methods the installed ``HfApi`` has bind to its real signatures."""
+    import inspect
+
+    from huggingface_hub import HfApi
+
+    options = dict(license="apache-2.0", base_model="org/tiny-llama")
+    monkeypatch.setattr(push_module, "LARGE_FOLDER_BYTES", 1)  # this tiny folder counts as large
+    hub1 = RecordingApiHub1()
+    push(folder, REPO, PushOptions(private=True, **options), api=hub1, log=lambda m: None)
+    assert [c[0] for c in hub1.calls] == ["create_repo", "upload_large_folder"]
+    assert hub1.calls[1][2] == {"repo_type": "model", "private": True}
+    assert set(hub1.uploaded) == expected_files(folder)
+    assert all(hub1.uploaded[n] == (folder / n).read_bytes() for n in hub1.uploaded if n != "README.md")
+    hub1_message = RecordingApiHub1()
+    push(folder, REPO, PushOptions(commit_message="m", **options), api=hub1_message, log=lambda m: None)
+    assert [c[0] for c in hub1_message.calls] == ["create_repo", "upload_folder"]  # one commit, as asked
+    hub2 = RecordingApi()  # no upload_large_folder, as huggingface_hub >= 2.0
+    push(folder, REPO, PushOptions(**options), api=hub2, log=lambda m: None)
+    assert [c[0] for c in hub2.calls] == ["create_repo", "upload_folder"] and set(hub2.uploaded) == expected_files(folder)
+    for name, repo_id, kwargs in hub1.calls + hub2.calls:
+        if hasattr(HfApi, name):
+            extra = {"folder_path": "x"} if name.startswith("upload") else {}
+            inspect.signature(getattr(HfApi, name)).bind(None, repo_id=repo_id, **extra, **kwargs)
 
 
 REMOTE_LOAD = textwrap.dedent(
