@@ -83,19 +83,26 @@ def described_layers(config) -> list[dict]:
 
 
 def format_layer_table(layers: list[dict]) -> str:
-    """Markdown table of :func:`described_layers`: one row per layer (kind, KV heads, latent
-    rank, rope key width, sinks, window, KV elements per token)."""
+    """Markdown table of :func:`described_layers`: one row per run of consecutive layers that are
+    alike (kind, KV heads, latent rank, rope key width, sinks, window, KV elements per token;
+    e.g. ``0-29`` for a model converted to MQA throughout)."""
     lines = ["| layer | kind | kv heads | latent | rope key | sinks | window | KV elements/token |",
              "|---:|---|---:|---:|---:|---|---:|---:|"]
+    rows: list[tuple[int, int, str]] = []  # (first layer, last layer, the row's cells after the layer)
     for i, s in enumerate(layers):
         latent = s.get("kv_lora_rank", "-")
         rope = sum(2 * len(p) for p in s["rope_pairs"]) if "rope_pairs" in s else "-"
         kind = s["kind"] if s["kind"] != "csa2" else f"csa2 {s['mode']}" + (f" <- {s['source']}" if "source" in s else "")
         if "top_k" in s:
             kind += f" (top-{s['top_k']}, window {s['read_window']})"
-        lines.append(f"| {i} | {kind} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
-                     f"{s['window'] or '-'}{' + first ' + str(s['sink_tokens']) if s.get('sink_tokens') else ''} | "
-                     f"{s['kv_elements_per_token']} |")
+        cells = (f"{kind} | {s['num_key_value_heads']} | {latent} | {rope} | {s.get('sinks', False)} | "
+                 f"{s['window'] or '-'}{' + first ' + str(s['sink_tokens']) if s.get('sink_tokens') else ''} | "
+                 f"{s['kv_elements_per_token']} |")
+        if rows and rows[-1][2] == cells:
+            rows[-1] = (rows[-1][0], i, cells)
+        else:
+            rows.append((i, i, cells))
+    lines += [f"| {lo if lo == hi else f'{lo}-{hi}'} | {cells}" for lo, hi, cells in rows]
     return "\n".join(lines)
 
 
