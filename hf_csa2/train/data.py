@@ -101,12 +101,26 @@ FILL_LEADS = (
     'In the text above, the word left out of "{cue}" is: ',
     'The missing word in "{cue}", as the passage has it, is: ',
 )
+# ``lookalike``: a copy of one of the passage's sentences with two words swapped for others of the passage
+# is planted a third of the passage away from it; the request quotes the original with one word left out
+# (the other swapped word is still in the cue and tells the two apart); the answer is the original's word,
+# not the look-alike's: reading past a near-duplicate, which plain passages never ask.
+LOOKALIKE_PROMPTS = (
+    'In the text above, which word fills the gap in "{cue}"? Answer with that word only.',
+    'Give the word the passage has where this sentence has a gap: "{cue}"',
+)
+LOOKALIKE_LEADS = (
+    'In the text above, the word in the gap of "{cue}" is: ',
+    'Where "{cue}" has a gap, the passage reads: ',
+)
 FIRST_LEADS = (
     'Of the words "{a}" and "{b}", the one that appears earlier in the text above is: ',
     'Between "{a}" and "{b}", the word this passage has first is: ',
 )
-PROMPTS = {"recall": RECALL_PROMPTS, "next": NEXT_PROMPTS, "fill": FILL_PROMPTS, "first": FIRST_PROMPTS}
-LEADS = {"recall": RECALL_LEADS, "next": NEXT_LEADS, "fill": FILL_LEADS, "first": FIRST_LEADS}
+PROMPTS = {"recall": RECALL_PROMPTS, "next": NEXT_PROMPTS, "fill": FILL_PROMPTS, "first": FIRST_PROMPTS,
+           "lookalike": LOOKALIKE_PROMPTS}
+LEADS = {"recall": RECALL_LEADS, "next": NEXT_LEADS, "fill": FILL_LEADS, "first": FIRST_LEADS,
+         "lookalike": LOOKALIKE_LEADS}
 
 
 def _request(template: str, cue) -> str:
@@ -186,6 +200,36 @@ def _first_pick(chunk: str, k: int) -> tuple[tuple[str, str], str] | None:
     return pair, earlier
 
 
+def _lookalike_pick(chunk: str, k: int) -> tuple[str, tuple[str, str]] | None:
+    """``(the passage with a look-alike planted, (cue, answer))`` for ``lookalike``: a copyable sentence
+    with two words that each occur once in the passage (the key stays in the cue, the answer is
+    blanked), its copy with both swapped for two other such words planted before a sentence at least
+    a third of the passage's sentences away. None when no sentence or no place qualifies."""
+    sentences = _sentences(chunk)
+    unique = {w.lower() for _, w in _unique_words(chunk)}
+    rng = random.Random(k)
+    candidates = []
+    for j, sentence in enumerate(sentences):
+        own = [w for w in dict.fromkeys(re.findall(_WORD, sentence)) if w.lower() in unique]
+        if _copyable(sentence) and len(own) >= 2:
+            candidates.append((j, sentence, own))
+    if not candidates:
+        return None
+    j, sentence, own = rng.choice(candidates)
+    key, answer = rng.sample(own, 2)
+    others = sorted(w for _, w in _unique_words(chunk) if not re.search(_whole_word(w), sentence, re.IGNORECASE))
+    places = [i for i in range(len(sentences)) if abs(i - j) >= max(1, len(sentences) // 3)]
+    if len(others) < 2 or not places:
+        return None
+    key2, answer2 = rng.sample(others, 2)
+    twin = re.sub(_whole_word(key), lambda m: key2, sentence, count=1)
+    twin = re.sub(_whole_word(answer), lambda m: answer2, twin, count=1)
+    at = chunk.find(sentences[rng.choice(places)])
+    planted = f"{chunk[:at]}{twin} {chunk[at:]}"
+    cue = " ".join(re.sub(_whole_word(answer), BLANK, sentence, count=1).split())
+    return planted, (cue, answer)
+
+
 def _copy_pick(chunk: str, k: int, task: str) -> tuple[str, str] | None:
     """``(cue, answer)`` of a copy task on one passage: ``recall`` cues a sentence by its first words,
     ``next`` quotes a whole sentence and answers with the one after it, ``fill`` quotes a sentence
@@ -241,7 +285,11 @@ def _task_picks(text: str, passage_chars: int, start: int, tasks: tuple[str, ...
     for i, chunk in enumerate(_passages(text, passage_chars)):
         k = start + i
         task = tasks[k % len(tasks)]
-        pick = _copy_pick(chunk, k, task) if task != "continue" else None
+        if task == "lookalike":  # the one task that changes the passage: a look-alike sentence planted in it
+            planted = _lookalike_pick(chunk, k)
+            chunk, pick = planted if planted else (chunk, None)
+        else:
+            pick = _copy_pick(chunk, k, task) if task != "continue" else None
         yield k, (task if pick else "continue"), chunk, pick
 
 
@@ -259,7 +307,10 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
     - ``fill``: the whole passage, then one of its sentences with a word left out (:data:`BLANK`),
       asking for the word;
     - ``first``: the whole passage, then two of its words (each once in it, a third of it apart),
-      asking which comes first; the answer is that word.
+      asking which comes first; the answer is that word;
+    - ``lookalike``: the passage with a copy of one of its sentences planted a third of it away, two
+      words of the copy swapped for others of the passage; then the original with one of those two
+      words left out, asking for it (the look-alike holds a wrong answer).
 
     A passage with no sentence that fits a copy task becomes a ``continue`` exchange. Requests
     rotate and picks follow from ``start`` and the position, so the output is deterministic."""
@@ -454,6 +505,7 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "FIRST_LEADS", "FIRST_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS",
+__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "FIRST_LEADS", "FIRST_PROMPTS", "LOOKALIKE_LEADS",
+           "LOOKALIKE_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS",
            "PROMPTS", "RECALL_LEADS", "RECALL_PROMPTS",
            "chat_format", "load_records", "passages_to_chat", "passages_to_completions", "training_blocks", "write_chat_jsonl"]

@@ -217,6 +217,37 @@ def test_first_exchanges_ask_which_of_two_far_apart_words_the_passage_has_first(
     assert [w for _, w in _unique_words("Value values VALUE read re-read, read once.")] == ["values", "re-read", "once"]
 
 
+def test_lookalike_exchanges_plant_a_near_copy_far_away_and_ask_for_the_originals_word():
+    import re
+
+    from hf_csa2.train.data import BLANK, LOOKALIKE_PROMPTS, _sentences, passages_to_chat
+
+    names = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india")
+    doc = " ".join(f"The {w} handler calls parse_{w} before it returns." for w in names)
+    answers = set()
+    for k in range(12):
+        user, answer = (m["content"] for m in passages_to_chat(doc, 1000, start=k, tasks=("lookalike",))[0])
+        passage, _, request = user.rpartition("\n\n")
+        assert _task_of(request) == "lookalike" and request.startswith(LOOKALIKE_PROMPTS[k % 2].split('"')[0])
+        cue = request.split('"')[1]
+        original = cue.replace(BLANK, answer)
+        old, new = _sentences(doc), _sentences(passage)
+        assert len(new) == len(old) + 1 and original in old
+        (twin,) = [x for x in new if x not in old]
+        assert [x for x in new if x != twin] == old  # the passage is kept, one sentence planted
+        differ = [(a, b) for a, b in zip(original.split(), twin.split()) if a != b]
+        assert len(differ) == 2 and len(original.split()) == len(twin.split())  # two words swapped
+        assert answer in [a for a, _ in differ] and BLANK not in twin
+        wrong = dict(differ)[answer]
+        assert wrong != answer and re.sub(re.escape(answer), wrong, cue.replace(BLANK, answer)) != twin  # the key differs too
+        assert len(re.findall(rf"\b{re.escape(answer)}\b", passage)) == 1  # only the original holds the answer
+        assert abs(new.index(twin) - new.index(original)) >= len(old) // 3
+        answers.add(answer)
+    assert len(answers) > 3
+    # no sentence with two words that occur once in the passage: continue instead
+    assert _task_of(passages_to_chat(DOC, 1000, tasks=("lookalike",))[0][0]["content"]) == "continue"
+
+
 def test_copy_tasks_rotate_and_fall_back_to_continuing_when_no_sentence_fits():
     from hf_csa2.train.data import passages_to_chat
 
@@ -236,16 +267,17 @@ def test_completion_copy_tasks_are_the_chat_tasks_as_text():
     cue, and the passage's own sentence right after it."""
     from hf_csa2.train.data import LEADS, passages_to_chat, passages_to_completions
 
-    paragraphs = "\n\n".join(" ".join(s.replace("number", f"tag{p}{i}") for i, s in enumerate(SENTENCES))
-                               for p in range(4))
-    tasks = ("recall", "next", "fill", "continue", "first")
+    # two words once per sentence (lookalike swaps two)
+    paragraphs = "\n\n".join(" ".join(s.replace("number", f"tag{p}{i}").replace("reader", f"reader{p}{i}")
+                                        for i, s in enumerate(SENTENCES)) for p in range(4))
+    tasks = ("recall", "next", "fill", "continue", "first", "lookalike")
     chats = passages_to_chat(paragraphs, 300, start=2, tasks=tasks)
     documents = passages_to_completions(paragraphs, 300, start=2, tasks=tasks)
     assert len(documents) == len(chats) == 4
     for k, (chat, document) in enumerate(zip(chats, documents), start=2):
         user, answer = chat[0]["content"], chat[1]["content"]
         task = _task_of(user.rpartition("\n\n")[2])
-        assert task == tasks[k % 5]
+        assert task == tasks[k % 6]
         if task == "continue":
             head = user.split("\n\n", 1)[1]  # after the request
             assert document.split() == (head + " " + answer).split() and answer not in head  # the passage, whole
@@ -277,7 +309,7 @@ def test_recipe_data_tasks_are_validated():
 
     assert load_recipe(None, ["student=x", "data.tasks=[recall, next]"]).data.tasks == ["recall", "next"]
     assert load_recipe(None, ["student=x"]).data.tasks == ["continue"]
-    with pytest.raises(RecipeError, match=r"data.tasks\[0\]='copy'.*allowed: a list of continue, recall, next, fill, first"):
+    with pytest.raises(RecipeError, match=r"data.tasks\[0\]='copy'.*allowed: a list of continue, recall, next, fill, first, lookalike"):
         load_recipe(None, ["student=x", "data.tasks=[copy]"])
     with pytest.raises(RecipeError, match="data.tasks=.*at least 1 item"):
         load_recipe(None, ["student=x", "data.tasks=[]"])
