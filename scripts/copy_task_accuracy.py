@@ -1,4 +1,4 @@
-"""How well models do the training data's copy tasks (``data.tasks``: recall, next, fill, first), teacher-forced.
+"""How well models do the training data's copy tasks (``data.tasks``: recall, next, fill, first, lookalike), teacher-forced.
 
     python scripts/copy_task_accuracy.py MODEL [MODEL ...] [--text python-docs:heldout] [--per-task 15]
         [--passage-chars 1600] [--generate TOKENS]
