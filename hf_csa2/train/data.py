@@ -195,7 +195,7 @@ def _first_pick(chunk: str, k: int) -> tuple[tuple[str, str], str] | None:
     if not early:
         return None
     start, earlier = rng.choice(early)
-    start2, later = rng.choice([w for w in words if w[0] >= start + gap])
+    _, later = rng.choice([w for w in words if w[0] >= start + gap])
     pair = (earlier, later) if rng.random() < 0.5 else (later, earlier)
     return pair, earlier
 
