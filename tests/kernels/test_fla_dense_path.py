@@ -79,14 +79,21 @@ def counting_fla(monkeypatch):
 def test_a_dense_sink_model_gives_the_torch_paths_logits_and_gradients(arch, monkeypatch):
     model = sink_model(arch)
     x = torch.randint(3, VOCAB, (2, 19), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    assert_fla_matches_torch(model, x, monkeypatch)
+
+
+def assert_fla_matches_torch(model, x, monkeypatch):
+    """The model's logits and every parameter gradient through fla-core equal the torch path's
+    (<= 1e-4), and fla-core computed every layer's attention (one call per layer, all T queries)."""
+    params = list(model.parameters())
     model.config.dense_attention_path = "torch"
     want = model(x).logits
-    want_grads = torch.autograd.grad(want.logsumexp(-1).sum(), [p for p in model.parameters()], allow_unused=True)
+    want_grads = torch.autograd.grad(want.logsumexp(-1).sum(), params, allow_unused=True)
     calls = counting_fla(monkeypatch)
     model.config.dense_attention_path = "fla"
     got = model(x).logits
-    got_grads = torch.autograd.grad(got.logsumexp(-1).sum(), [p for p in model.parameters()], allow_unused=True)
-    assert calls == [19] * len(model.model.layers)
+    got_grads = torch.autograd.grad(got.logsumexp(-1).sum(), params, allow_unused=True)
+    assert calls == [x.shape[1]] * len(model.model.layers)
     assert (got - want).abs().max() <= 1e-4
     for a, b in zip(got_grads, want_grads):
         assert (a is None) == (b is None)
@@ -158,17 +165,4 @@ def test_mla_absorbed_prefill_with_sinks_through_fla_gives_torch_logits_and_grad
     model.config._attn_implementation = "sdpa"
     model.config.mla_attention_path = "absorbed"
     x = torch.randint(3, VOCAB, (2, 21), generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    params = [p for p in model.parameters()]
-    model.config.dense_attention_path = "torch"
-    want = model(x).logits
-    want_grads = torch.autograd.grad(want.logsumexp(-1).sum(), params, allow_unused=True)
-    calls = counting_fla(monkeypatch)
-    model.config.dense_attention_path = "fla"
-    got = model(x).logits
-    got_grads = torch.autograd.grad(got.logsumexp(-1).sum(), params, allow_unused=True)
-    assert calls == [21] * len(model.model.layers)
-    assert (got - want).abs().max() <= 1e-4
-    for a, b in zip(got_grads, want_grads):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert (a - b).abs().max() <= 1e-4
+    assert_fla_matches_torch(model, x, monkeypatch)
