@@ -91,11 +91,12 @@ class Indexer(nn.Module):
         queries [B, T, n_I, d_I] at absolute positions query_positions [T]; keys [B, S, d_I]
         at positions 0..S-1; ``starts`` [B]: each row's first real position (left padding is
         never picked), or None. Processed in chunks of queries so memory stays O(chunk * S).
-        ``fused``: score with hf_csa2's Triton kernel (``hf_csa2.kernels.indexer``) instead of
-        torch; the same selection.
+        ``fused``: score and select in hf_csa2's Triton kernel (``hf_csa2.kernels.indexer``)
+        instead of torch; the same selection rule (it equals this on the kernel's scores).
         """
-        scores = _fused_masked_scores() if fused else masked_scores
-        return select_top_k(queries, weights, keys, query_positions, top_k, window, chunk, starts, scores)
+        if fused:
+            return _fused_select()(queries, weights, keys, query_positions, top_k, window, starts)
+        return select_top_k(queries, weights, keys, query_positions, top_k, window, chunk, starts)
 
 
 def index_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -140,15 +141,15 @@ def select_top_k(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     return idx
 
 
-def _fused_masked_scores():
-    """The Triton kernel of :func:`masked_scores`; it lives in hf_csa2 (this file is also copied
+def _fused_select():
+    """The Triton kernel of :func:`select_top_k` on fused scores; it lives in hf_csa2 (this file is also copied
     next to converted weights, where hf_csa2 may be absent: then the path is refused)."""
     try:
-        from hf_csa2.kernels.indexer import masked_index_scores
+        from hf_csa2.kernels.indexer import fused_select_top_k
     except ImportError as err:
         raise ValueError(f"the fused indexer needs the hf-csa2 package with Triton ({err}); pip install "
                          "'hf-csa2[triton]', or set csa2_read_path to 'gather' or 'scores'") from None
-    return masked_index_scores
+    return fused_select_top_k
 
 
 __all__ = ["Indexer", "index_scores", "masked_scores", "select_top_k", "top_k_earliest_first"]

@@ -1,6 +1,6 @@
 """Triton indexer scores (hf_csa2.kernels.indexer) against the torch reference
 (hf_csa2.model.indexer.masked_scores / select_top_k): scores, the -inf pattern, every gradient
-(queries, head weights, keys) and the Top-K picks, on awkward sizes -- T in {1, 63, 257},
+(queries, head weights, keys) and the Top-K picks (torch on the kernel's scores, and the fused Top-K kernel), on awkward sizes -- T in {1, 63, 257},
 decode chunks (S > T), S < K, left-padding starts, one index head or several.
 
 Runs in Triton's CPU interpreter (tests/kernels/conftest.py sets TRITON_INTERPRET=1).
@@ -16,7 +16,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from hf_csa2 import kernels  # noqa: E402
-from hf_csa2.kernels.indexer import masked_index_scores  # noqa: E402
+from hf_csa2.kernels.indexer import fused_select_top_k, masked_index_scores  # noqa: E402
 from hf_csa2.model.indexer import Indexer, masked_scores, select_top_k  # noqa: E402
 
 DEVICE = "cpu" if kernels.interpreting() else "cuda"
@@ -154,3 +154,49 @@ def test_refused_where_the_kernel_cannot_run(monkeypatch):
     q, w, k, positions = inputs(0, 1, 5, 9, 2, 16)
     with pytest.raises(kernels.KernelUnavailableError, match="hf_csa2.model.indexer.masked_scores"):
         masked_index_scores(q, w, k, positions, 1)
+
+
+def integer_inputs(seed, b, t, s, heads, dim):
+    """Small integers: every dot, ReLU and head sum is exact in fp32, so kernel and torch scores
+    are bit-equal and the picks (many exact ties among them) must be too."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-2, 3, (b, t, heads, dim), generator=gen).float()
+    w = torch.randint(-2, 3, (b, t, heads), generator=gen).float()
+    k = torch.randint(-2, 3, (b, s, dim), generator=gen).float()
+    return [x.to(DEVICE) for x in (q, w, k)] + [torch.arange(s - t, s).to(DEVICE)]
+
+
+@pytest.mark.parametrize("t, s, top_k", [(1, 300, 16), (63, 63, 8), (20, 12, 16), (40, 100, 12), (257, 257, 32)])
+def test_fused_top_k_equals_the_selection_on_the_kernels_scores(t, s, top_k):
+    q, w, k, positions = inputs(t + s + top_k, 2, t, s, 3, 16)
+    starts = torch.tensor([0, 5], device=DEVICE)
+    got = fused_select_top_k(q, w, k, positions, top_k, 4, starts)
+    want = select_top_k(q, w, k, positions, top_k, 4, chunk=64, starts=starts, scores=masked_index_scores)
+    assert got.dtype == torch.long and got.shape == (2, t, top_k)
+    assert torch.equal(got, want)
+    assert (got[1] < 5).logical_and(got[1] >= 0).sum() == 0  # left padding never picked
+
+
+@pytest.mark.parametrize("window", [1, 6])
+def test_fused_top_k_breaks_exact_ties_as_the_torch_reference(window):
+    q, w, k, positions = integer_inputs(window, 2, 37, 80, 2, 16)
+    starts = torch.tensor([0, 9], device=DEVICE)
+    scores = masked_scores(q, w, k, positions, window, starts)
+    finite = scores[torch.isfinite(scores)]
+    assert finite.numel() > finite.unique().numel() * 4  # ties are the rule here, not the exception
+    got = fused_select_top_k(q, w, k, positions, 24, window, starts)
+    assert torch.equal(got, select_top_k(q, w, k, positions, 24, window, starts=starts))
+
+
+def test_fused_top_k_rows_with_nothing_selectable_are_all_minus_one():
+    q, w, k, positions = inputs(4, 1, 9, 9, 2, 16)
+    assert torch.equal(fused_select_top_k(q, w, k, positions, 4, 16), torch.full((1, 9, 4), -1, device=DEVICE))
+    # one selectable key: the first query past the window picks it, the rest of its row is -1
+    got = fused_select_top_k(q, w, k, positions, 4, 8)
+    assert got[0, 8].tolist() == [0, -1, -1, -1] and (got[0, :8] == -1).all()
+
+
+def test_fused_top_k_refuses_a_k_below_one():
+    q, w, k, positions = inputs(5, 1, 4, 4, 1, 16)
+    with pytest.raises(ValueError, match="top_k is 0"):
+        fused_select_top_k(q, w, k, positions, 0, 1)

@@ -70,7 +70,7 @@ def test_triton_path_scores_the_indexers_with_the_kernel(monkeypatch):
 
     model, _, _ = csa2_model("llama", *MIXED_PLAN, sink_tokens=2)
     x = ids(batch=1, length=11)
-    kernel, calls = fused_indexer.masked_index_scores, []
+    kernel, calls = fused_indexer.fused_select_top_k, []
 
     def counting(*args, **kwargs):
         calls.append(1)
@@ -80,8 +80,8 @@ def test_triton_path_scores_the_indexers_with_the_kernel(monkeypatch):
         reference = model(x).logits
         assert not calls
         model.config.csa2_read_path = "triton"
-        monkeypatch.setattr(fused_indexer, "masked_index_scores", counting)
+        monkeypatch.setattr(fused_indexer, "fused_select_top_k", counting)
         fused = model(x).logits
     indexed = sum(mode in ("full", "reindex") for mode in MIXED_PLAN[0])
-    assert len(calls) == indexed  # one chunk of 11 queries per full / reindex layer
+    assert len(calls) == indexed  # one fused scoring + Top-K call per full / reindex layer
     assert (fused - reference).abs().max() <= 1e-4

@@ -7,6 +7,7 @@ import torch
 from .. import require_available
 
 _REFERENCE = "hf_csa2.model.indexer.masked_scores"
+_REFERENCE_SELECT = "hf_csa2.model.indexer.select_top_k"
 
 
 def _kernels():
@@ -56,6 +57,27 @@ def masked_index_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torc
     return MaskedScoresFunction.apply(queries, weights, keys, query_positions, int(window), starts)
 
 
+def fused_select_top_k(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                       query_positions: torch.Tensor, top_k: int, window: int,
+                       starts: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton version of :func:`hf_csa2.model.indexer.select_top_k` run on
+    :func:`masked_index_scores`: scoring and Top-K in one kernel, the [T, S] scores never in memory.
+
+    Args: as :func:`masked_index_scores`, plus ``top_k`` (K >= 1).
+
+    Returns:
+        positions [B, T, top_k] long, best first, ties to the earlier position, -1 where fewer
+        than K are selectable: equal to ``select_top_k(..., scores=masked_index_scores)``.
+        Not differentiable (positions).
+    """
+    require_available("fused_select_top_k", _REFERENCE_SELECT)
+    _check(queries, weights, keys, query_positions, starts)
+    if int(top_k) < 1:
+        raise ValueError(f"top_k is {top_k}; it must be >= 1")
+    return _kernels().top_k_forward(queries.detach(), weights.detach(), keys.detach(), query_positions,
+                                    int(top_k), int(window), starts)
+
+
 def _check(queries, weights, keys, query_positions, starts):
     supported = _kernels().SUPPORTED_DTYPES
     for name, x in (("queries", queries), ("weights", weights), ("keys", keys)):
@@ -80,4 +102,4 @@ def _check(queries, weights, keys, query_positions, starts):
                          "before importing triton to run it in the CPU interpreter)")
 
 
-__all__ = ["MaskedScoresFunction", "masked_index_scores"]
+__all__ = ["MaskedScoresFunction", "fused_select_top_k", "masked_index_scores"]
