@@ -9,8 +9,11 @@ imported; slow, meant for tests). Nothing here imports Triton at import time, so
 Ops:
     sparse_read -- :func:`hf_csa2.kernels.sparse_read.sparse_sink_attention`, the kernel of
         :func:`hf_csa2.model.sparse_attention.sparse_sink_attention`.
-    indexer -- :func:`hf_csa2.kernels.indexer.masked_index_scores`, the kernel of
-        :func:`hf_csa2.model.indexer.masked_scores`.
+    indexer -- :func:`hf_csa2.kernels.indexer.masked_index_scores` and
+        :func:`hf_csa2.kernels.indexer.fused_select_top_k`, the kernels of
+        :func:`hf_csa2.model.indexer.masked_scores` and :func:`hf_csa2.model.indexer.select_top_k`.
+    decode -- :func:`hf_csa2.kernels.decode.decode_sink_attention`, the kernel of
+        :func:`hf_csa2.model.sink_attention.grouped_decode_attention` (dense and absorbed-MLA decode steps).
 """
 
 from __future__ import annotations

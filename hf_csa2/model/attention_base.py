@@ -11,7 +11,8 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .layer_specs import AttentionSpec
-from .sink_attention import eager_sink_attention, fla_applies, fla_parallel_attn, fla_sink_attention, sdpa_sink_attention
+from .sink_attention import (DENSE_ATTENTION_PATHS, decode_applies, decode_kernel, eager_sink_attention, fla_applies,
+                             fla_parallel_attn, fla_sink_attention, sdpa_sink_attention)
 
 # A sink this far below any row's logsumexp contributes exp(-1e4) == 0 in fp32: "no sink".
 SINK_OFF = -1.0e4
@@ -65,6 +66,9 @@ class AttentionBase(nn.Module):
                 softcap=self.softcap, dropout=dropout, training=self.training,
             )
         if impl == "sdpa" and self.softcap is None:
+            decode = self._decode_kernel(query, key, value, dropout)
+            if decode is not None:
+                return decode(query, key, value, attention_mask, scaling=self.scaling, sinks=self.sinks)
             if self._uses_fla(query, key, attention_mask, dropout):
                 return fla_sink_attention(query, key, value, scaling=self.scaling, sinks=self.sinks)
             return sdpa_sink_attention(
@@ -83,15 +87,30 @@ class AttentionBase(nn.Module):
             sliding_window=self.sliding_window, **kwargs,
         )
 
+    def _decode_kernel(self, query, key, value, dropout):
+        """hf_csa2's Triton decode step where ``dense_attention_path`` asks for it and the call is a
+        decode step (:func:`decode_applies`): "triton" always (refused where it cannot run), "auto"
+        on CUDA where it can run; else None (the torch path)."""
+        path = getattr(self.config, "dense_attention_path", "auto") or "auto"
+        if path not in ("triton", "auto") or not decode_applies(query, key, value, self.sinks, dropout):
+            return None
+        kernel = decode_kernel()
+        if path == "triton" and kernel is None:
+            raise ValueError("dense_attention_path='triton' needs the hf-csa2 package with Triton (pip install "
+                             "'hf-csa2[triton]') and a CUDA device, or TRITON_INTERPRET=1; allowed without them: "
+                             f"{', '.join(p for p in DENSE_ATTENTION_PATHS if p != 'triton')}")
+        return kernel if path == "triton" or query.device.type == "cuda" else None
+
     def _uses_fla(self, query, key, attention_mask, dropout) -> bool:
-        """``dense_attention_path``: "fla" takes fla-core's kernel wherever it applies (a causal
-        prefill or training window: :func:`fla_applies`; other calls, e.g. cached decode steps,
-        stay on torch); "auto" does so for layers with sinks on CUDA where fla-core is
-        installed (without sinks transformers' SDPA / flash paths already fuse the op); "torch" never."""
+        """``dense_attention_path``: "fla" and "triton" take fla-core's kernel wherever it applies (a
+        causal prefill or training window: :func:`fla_applies`; cached decode steps stay on torch
+        under "fla" and take hf_csa2's decode kernel under "triton"); "auto" does so for layers with
+        sinks on CUDA where fla-core is installed (without sinks transformers' SDPA / flash paths
+        already fuse the op); "torch" never."""
         path = getattr(self.config, "dense_attention_path", "auto") or "auto"
         if path == "torch" or not fla_applies(query, key, attention_mask, dropout):
             return False
-        if path == "fla":
+        if path in ("fla", "triton"):
             return True
         return self.sinks is not None and query.device.type == "cuda" and fla_parallel_attn() is not None
 

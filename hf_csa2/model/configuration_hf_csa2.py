@@ -32,11 +32,13 @@ and masks), plus fields of ours:
   ``hf_csa2.kernels.sparse_read``: needs hf_csa2 and Triton installed and a CUDA device, or
   ``TRITON_INTERPRET=1``; the attention weights some tools ask for still come from "gather").
   Where the fused read runs, the indexers score through ``hf_csa2.kernels.indexer`` too.
-* ``dense_attention_path`` -- the softmax attention of dense / MLA-prefill layers under SDPA:
-  ``"auto"`` (fla-core's Triton ``parallel_attn`` for layers with sinks on CUDA where fla-core
-  is installed, else torch), ``"torch"`` (``sink_attention.sdpa_sink_attention``) or ``"fla"``
+* ``dense_attention_path`` -- the softmax attention of dense and MLA layers under SDPA:
+  ``"auto"`` (on CUDA: fla-core's Triton ``parallel_attn`` for prefills of layers with sinks where
+  fla-core is installed, hf_csa2's Triton decode kernel for decode steps where hf_csa2 is
+  installed; else torch), ``"torch"`` (``sink_attention.sdpa_sink_attention``), ``"fla"``
   (fla-core wherever it applies: causal prefills and training windows without a padding mask;
-  cached decode steps stay on torch). See ``sink_attention.py``.
+  cached decode steps stay on torch) or ``"triton"`` (as "fla", and decode steps through
+  ``hf_csa2.kernels.decode``; refused where either cannot run). See ``sink_attention.py``.
 
 This file must import only torch/transformers, the standard library and its siblings: it is
 copied next to the weights so that ``trust_remote_code=True`` loads a checkpoint without

@@ -5,12 +5,15 @@ to the numerator: real-token weights become ``a_j = exp(z_j) / (exp(s_h) + Z)``.
 the sink is a virtual key whose logit is ``s_h`` and whose value is the zero vector, or a gate
 ``out = sigmoid(logsumexp(z) - s_h) * out_dense``.
 
-Three implementations, same contract:
+Four implementations, same contract:
 
 * :func:`eager_sink_attention` -- the readable reference (explicit logits, fp32 softmax).
 * :func:`fla_sink_attention` -- fla-core's Triton ``parallel_attn`` (it takes a sink bias,
   forward and backward) for causal prefills and training windows; used on CUDA where fla-core
   is installed (``dense_attention_path``), never written again here.
+* ``hf_csa2.kernels.decode`` -- hf_csa2's Triton kernel of :func:`grouped_decode_attention`
+  (decode steps with a cache, which fla-core's kernel does not take); on CUDA where hf_csa2 is
+  installed (``dense_attention_path``).
 * :func:`sdpa_sink_attention` -- ``torch.nn.functional.scaled_dot_product_attention`` for the
   dense part, times the sink gate computed by a second fused call in which the sink is a
   virtual key (one extra head dimension carries ``s_h``); on CPU without gradients one fused
@@ -170,7 +173,7 @@ def sdpa_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     return out.transpose(1, 2).contiguous(), None
 
 
-DENSE_ATTENTION_PATHS = ("auto", "torch", "fla")
+DENSE_ATTENTION_PATHS = ("auto", "torch", "fla", "triton")
 
 
 def fla_applies(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -200,6 +203,24 @@ def fla_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out = parallel_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scaling,
                         sink_bias=sink_bias)
     return out, None
+
+
+def decode_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sinks, dropout_p: float = 0.0) -> bool:
+    """Whether hf_csa2's decode kernel computes this call: one query position over cached keys,
+    no dropout, no gradient wanted (a generation step)."""
+    return query.shape[2] == 1 and dropout_p == 0.0 and not _wants_grad(query, key, value, sinks)
+
+
+def decode_kernel():
+    """hf_csa2's Triton decode step with sinks (``hf_csa2.kernels.decode``), or None where
+    hf_csa2 is not installed or Triton cannot run (this file is also copied next to converted
+    weights)."""
+    try:
+        from hf_csa2.kernels import available
+        from hf_csa2.kernels.decode import decode_sink_attention
+    except ImportError:
+        return None
+    return decode_sink_attention if available() else None
 
 
 def fla_parallel_attn():
@@ -263,5 +284,5 @@ def _lse_call_applies(query, key, value, sinks, dropout_p) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-__all__ = ["DENSE_ATTENTION_PATHS", "allowed_mask", "fla_applies", "fla_parallel_attn", "fla_sink_attention", "eager_sink_attention", "expand_kv", "grouped_decode_attention", "masked_logits", "one_head_size",
+__all__ = ["DENSE_ATTENTION_PATHS", "allowed_mask", "decode_applies", "decode_kernel", "fla_applies", "fla_parallel_attn", "fla_sink_attention", "eager_sink_attention", "expand_kv", "grouped_decode_attention", "masked_logits", "one_head_size",
            "sdpa_sink_attention"]

@@ -134,7 +134,7 @@ def test_fla_without_fla_core_is_refused_with_the_allowed_paths(monkeypatch):
 
 
 def test_unknown_dense_attention_path_is_refused():
-    with pytest.raises(ValueError, match=r"dense_attention_path='flash'; allowed: auto, torch, fla"):
+    with pytest.raises(ValueError, match=r"dense_attention_path='flash'; allowed: auto, torch, fla, triton"):
         Csa2Config(dense_attention_path="flash", num_hidden_layers=1, num_attention_heads=2, hidden_size=8)
 
 
