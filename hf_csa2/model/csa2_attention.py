@@ -241,7 +241,8 @@ class Csa2FullAttention(LatentAttention):
         positions = torch.arange(s - t, s, device=hidden_states.device)  # [T]
         iq, iw = self.indexer.queries(hidden_states, position_embeddings)
         top = self.indexer.select(iq, iw, index_keys, positions, self.top_k, self.window, starts=starts,
-                                  fused=uses_fused_kernels(read_path(self.config), hidden_states.device))  # [B, T, K]
+                                  fused=uses_fused_kernels(read_path(self.config), hidden_states.device),
+                                  block=self.layer_spec.select_block or 0)  # [B, T, K]
         segments = []
         if self.exact_window:
             segments.append(self.window_segment(hidden_states, position_embeddings, layer, positions, starts))
@@ -378,7 +379,8 @@ class Csa2ReaderAttention(DenseSinkAttention):
             full = self.peers[self.layer_spec.entries].scratch
             iq, iw = self.indexer.queries(hidden_states, full["position_embeddings"])
             top = self.indexer.select(iq, iw, full["index_keys"], positions, self.top_k, self.window, starts=starts,
-                                      fused=uses_fused_kernels(read_path(self.config), hidden_states.device))
+                                      fused=uses_fused_kernels(read_path(self.config), hidden_states.device),
+                                      block=self.layer_spec.select_block or 0)
             return top.masked_fill(top < self.sink_tokens, -1)  # held exactly in the own segment
         top = self.peers[self.layer_spec.source].scratch["top_k"]
         inside = top > positions[None, :, None] - self.window

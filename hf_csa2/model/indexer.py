@@ -13,6 +13,11 @@ positions ``j <= t - window`` (the window ``t - window + 1 .. t`` is read anyway
 union Top-K + window never holds a position twice. Missing picks (short prefixes) are -1.
 Ties go to the earlier position.
 
+Block-level selection (NSA / HSI style, ``block`` = B > 1): positions are cut into blocks of B
+(aligned to the row's first real position), each scored by its best selectable position; the
+``K / B`` best blocks are read whole (their selectable positions, in order), so a read is
+``K / B`` contiguous runs of the store.
+
 Self-contained (torch only): copied next to converted weights.
 """
 
@@ -36,6 +41,25 @@ def top_k_earliest_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     s = scores.shape[-1]
     position = torch.arange(s - 1, -1, -1, device=scores.device)
     return ((ordered << 32) | position).topk(k, dim=-1).indices
+
+
+def top_blocks_earliest_first(scores: torch.Tensor, k: int, block: int,
+                              starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions [B, T, (k // block) * block] of the ``k // block`` blocks of ``block`` positions
+    whose largest fp32 score (of ``scores`` [B, T, S]) is largest, best block first, ties to the
+    earlier block, each block's positions in order. Blocks are aligned to each row's first real
+    position (``starts`` [B], 0 when None), so a left-padded row picks what it picks alone; the
+    last block may run past ``S - 1`` (the caller drops those and unselectable positions)."""
+    s = scores.shape[-1]
+    blocks = -(-s // block)
+    offset = torch.zeros((), dtype=torch.long, device=scores.device) if starts is None else starts.view(-1, 1, 1)
+    pos = offset + torch.arange(blocks * block, device=scores.device)  # [B|1, 1, blocks * block]
+    aligned = scores.float().gather(-1, pos.clamp(max=s - 1).expand(*scores.shape[:-1], -1))
+    aligned = aligned.masked_fill(pos >= s, float("-inf"))
+    best = aligned.unflatten(-1, (blocks, block)).amax(dim=-1)  # [B, T, blocks]
+    chosen = top_k_earliest_first(best, min(k // block, blocks))  # [B, T, m]
+    first = chosen[..., None] * block + offset[..., None]  # [B, T, m, 1]
+    return (first + torch.arange(block, device=scores.device)).flatten(-2)
 
 
 class Indexer(nn.Module):
@@ -85,7 +109,7 @@ class Indexer(nn.Module):
 
     def select(self, queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                query_positions: torch.Tensor, top_k: int, window: int, chunk: int = 256,
-               starts: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
+               starts: torch.Tensor | None = None, fused: bool = False, block: int = 0) -> torch.Tensor:
         """Top-K positions [B, T, K] (-1 = none) among ``j <= t - window`` for each query.
 
         queries [B, T, n_I, d_I] at absolute positions query_positions [T]; keys [B, S, d_I]
@@ -93,10 +117,13 @@ class Indexer(nn.Module):
         never picked), or None. Processed in chunks of queries so memory stays O(chunk * S).
         ``fused``: score and select in hf_csa2's Triton kernel (``hf_csa2.kernels.indexer``)
         instead of torch; the same selection rule (it equals this on the kernel's scores).
+        ``block`` > 1: block-level selection (module docstring; with ``fused``, the kernel's
+        scores and torch's block pick).
         """
-        if fused:
-            return _fused_select()(queries, weights, keys, query_positions, top_k, window, starts)
-        return select_top_k(queries, weights, keys, query_positions, top_k, window, chunk, starts)
+        if fused and block <= 1:
+            return _fused_ops()[0](queries, weights, keys, query_positions, top_k, window, starts)
+        scores = _fused_ops()[1] if fused else masked_scores
+        return select_top_k(queries, weights, keys, query_positions, top_k, window, chunk, starts, scores, block)
 
 
 def index_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -121,19 +148,26 @@ def masked_scores(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tens
 
 def select_top_k(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor,
                  top_k: int, window: int, chunk: int = 256, starts: torch.Tensor | None = None,
-                 scores=masked_scores) -> torch.Tensor:
+                 scores=masked_scores, block: int = 0) -> torch.Tensor:
     """:meth:`Indexer.select` with the scoring function ``scores`` (same signature as
-    :func:`masked_scores`): Top-K positions [B, T, top_k], -1 where fewer are selectable."""
+    :func:`masked_scores`): Top-K positions [B, T, top_k], -1 where fewer are selectable.
+    ``block`` > 1: the ``top_k // block`` best aligned blocks, read whole
+    (:func:`top_blocks_earliest_first`)."""
     b, t = queries.shape[:2]
     s = keys.shape[1]
-    k = min(top_k, s)
+    # block selection reads whole blocks: k // block of them, fewer while there are fewer
+    k = min(top_k // block, -(-s // block)) * block if block > 1 else min(top_k, s)
     out = []
     for start in range(0, t, chunk):
         stop = min(start + chunk, t)
         sc = scores(queries[:, start:stop], weights[:, start:stop], keys, query_positions[start:stop], window,
                     starts)  # [B, c, S]
-        idx = top_k_earliest_first(sc, k)  # [B, c, k]
-        val = sc.gather(-1, idx)
+        if block > 1:
+            idx = top_blocks_earliest_first(sc, top_k, block, starts)  # [B, c, k], may run past S - 1
+            val = sc.gather(-1, idx.clamp(max=s - 1)).masked_fill(idx >= s, float("-inf"))
+        else:
+            idx = top_k_earliest_first(sc, k)  # [B, c, k]
+            val = sc.gather(-1, idx)
         out.append(torch.where(torch.isfinite(val), idx, torch.full_like(idx, -1)))
     idx = torch.cat(out, dim=1) if out else queries.new_empty((b, 0, k), dtype=torch.long)
     if k < top_k:  # fewer entries than K so far: pad
@@ -141,15 +175,17 @@ def select_top_k(queries: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     return idx
 
 
-def _fused_select():
-    """The Triton kernel of :func:`select_top_k` on fused scores; it lives in hf_csa2 (this file is also copied
+def _fused_ops():
+    """(the Triton kernel of :func:`select_top_k` on fused scores, the kernel of
+    :func:`masked_scores`); they live in hf_csa2 (this file is also copied
     next to converted weights, where hf_csa2 may be absent: then the path is refused)."""
     try:
-        from hf_csa2.kernels.indexer import fused_select_top_k
+        from hf_csa2.kernels.indexer import fused_select_top_k, masked_index_scores
     except ImportError as err:
         raise ValueError(f"the fused indexer needs the hf-csa2 package with Triton ({err}); pip install "
                          "'hf-csa2[triton]', or set csa2_read_path to 'gather' or 'scores'") from None
-    return fused_select_top_k
+    return fused_select_top_k, masked_index_scores
 
 
-__all__ = ["Indexer", "index_scores", "masked_scores", "select_top_k", "top_k_earliest_first"]
+__all__ = ["Indexer", "index_scores", "masked_scores", "select_top_k", "top_blocks_earliest_first",
+           "top_k_earliest_first"]

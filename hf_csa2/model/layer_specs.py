@@ -111,6 +111,14 @@ def _index_rope_pairs(data: Mapping, where: str, index_head_dim: int | None, g: 
     return tuple(sorted(pairs))
 
 
+def _select_block(data: Mapping, where: str, top_k: int) -> int | None:
+    block = _int(data, "select_block", where, minimum=2, optional=True)
+    if block is not None and top_k % block:
+        raise ValueError(f"{where}.select_block={block} does not divide top_k={top_k}: whole blocks are read; "
+                         f"allowed: a divisor of {top_k} >= 2, or null (token-level selection)")
+    return block
+
+
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
     """What every layer has. The JSON ``kind`` (and, for csa2, ``mode``) pick the subclass.
@@ -246,6 +254,7 @@ class Csa2FullSpec(MlaSpec):
     # as every reader layer does) instead of from its latent entries; the latent then serves
     # only the Top-K far reads (and the layers that share it).
     exact_window: bool = False
+    select_block: int | None = None  # block-level selection: top_k / select_block whole blocks (indexer.py)
 
     @classmethod
     def _read(cls, data, where, g):
@@ -254,6 +263,7 @@ class Csa2FullSpec(MlaSpec):
             args[key] = _int(data, key, where)
         args["index_rope_pairs"] = _index_rope_pairs(data, where, args["index_head_dim"], g, default=[])
         args["exact_window"] = _flag(data, "exact_window", where)
+        args["select_block"] = _select_block(data, where, args["top_k"])
         return args
 
 
@@ -277,11 +287,12 @@ class Csa2ReaderSpec(AttentionSpec):
     # reindex: the index geometry of its full layer's keys (inherited when not given)
     index_head_dim: int | None = None
     index_rope_pairs: tuple[int, ...] | None = None
+    select_block: int | None = None  # reindex: block-level selection (as the full layer's field)
 
     _MODE_KEYS: ClassVar[dict[str, tuple[str, ...]]] = {
         "swa": (),
         "reuse": ("source", "entries"),
-        "reindex": ("source", "entries", "top_k", "index_heads", "index_head_dim", "index_rope_pairs"),
+        "reindex": ("source", "entries", "top_k", "index_heads", "index_head_dim", "index_rope_pairs", "select_block"),
     }
 
     @classmethod
@@ -305,6 +316,7 @@ class Csa2ReaderSpec(AttentionSpec):
             args["index_heads"] = _int(data, "index_heads", where)
             args["index_head_dim"] = _int(data, "index_head_dim", where, optional=True)
             args["index_rope_pairs"] = _index_rope_pairs(data, where, args["index_head_dim"], g, default=None)
+            args["select_block"] = _select_block(data, where, args["top_k"])
         return args
 
 

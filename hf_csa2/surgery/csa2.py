@@ -11,6 +11,7 @@ layer that must read far facts back, which another layer's entries cannot serve)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -53,6 +54,7 @@ def csa2_layer_specs(
     exact_window: bool = False,
     lowrank_ranks: tuple[int | None, int | None] = (None, None),
     head_dim: int | None = None,
+    select_block: int | None = None,
 ) -> list[dict]:
     """Per-layer ``kind: csa2`` specs.
 
@@ -63,6 +65,7 @@ def csa2_layer_specs(
     full layers read their window from their own exact keys/values too. ``lowrank`` layers get
     ``kind: lowrank`` specs with ``lowrank_ranks`` = (key rank, value rank); None: half the layer's
     key width and its full value width (``num_key_value_heads * head_dim``; needs ``head_dim``).
+    ``select_block``: full and reindex layers select whole blocks of that many positions.
     """
     n = len(modes)
     if not (len(mla_specs) == len(dense_specs) == len(sources) == n):
@@ -92,6 +95,8 @@ def csa2_layer_specs(
             spec["sink_tokens"] = sink_tokens
         if mode in ("full", "reindex"):
             spec.update(top_k=top_k, index_heads=index_heads)
+            if select_block:
+                spec["select_block"] = select_block
         if mode in ("reindex", "reuse"):
             spec["source"] = src
         specs.append(spec)
@@ -374,12 +379,13 @@ class Csa2FitOptions:
     indexer_warmup_steps: int = 0
     calibrate_mass: bool = True
     refine_bias: bool = False
+    select_block: int = 0
 
     @classmethod
     def from_plan(cls, plan: Csa2Plan, calibrate_mass: bool = True) -> "Csa2FitOptions":
         return cls(window=plan.window, top_k=plan.top_k, ridge=plan.reader_ridge, refit_output=plan.refit_output,
                    indexer_warmup_steps=plan.indexer_warmup_steps, calibrate_mass=calibrate_mass,
-                   refine_bias=plan.refine_entry_bias)
+                   refine_bias=plan.refine_entry_bias, select_block=plan.select_block or 0)
 
 
 @dataclass
@@ -499,12 +505,13 @@ def _train_indexer(indexer, src, hidden, pe, keys, opts: Csa2FitOptions) -> dict
     q, k = src.scoring_qk(hidden, pe)
     target, valid = dense_attention_targets(q, k, src.scaling, opts.window)
     own_keys = indexer.keys(hidden, pe) if keys is None else keys
-    notes = {"top_k_recall_init": top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, opts.top_k, opts.window)}
+    recall = partial(top_k_mass_recall, top_k=opts.top_k, window=opts.window, block=opts.select_block)
+    notes = {"top_k_recall_init": recall(indexer, hidden, pe, own_keys, target, valid)}
     if opts.indexer_warmup_steps:
         notes.update(warm_up_indexer(indexer, hidden, pe, target, valid, window=opts.window, keys=keys,
                                      steps=opts.indexer_warmup_steps))
         own_keys = indexer.keys(hidden, pe) if keys is None else keys
-        notes["top_k_recall"] = top_k_mass_recall(indexer, hidden, pe, own_keys, target, valid, opts.top_k, opts.window)
+        notes["top_k_recall"] = recall(indexer, hidden, pe, own_keys, target, valid)
     return notes
 
 
@@ -538,7 +545,8 @@ def build_csa2_skeleton(dense, plan: Csa2Plan, mla_plan: MlaPlan | None, *, wind
                              window=plan.window, top_k=plan.top_k, index_heads=index_heads, index_head_dim=index_dim,
                              index_rope_pairs=pairs, sinks=plan.sinks, sink_tokens=plan.sink_tokens,
                              exact_window=plan.exact_window,
-                             lowrank_ranks=(plan.lowrank_key_rank, plan.lowrank_value_rank), head_dim=d)
+                             lowrank_ranks=(plan.lowrank_key_rank, plan.lowrank_value_rank), head_dim=d,
+                             select_block=plan.select_block)
     return assemble_csa2(dense, mla, specs), mla_report
 
 

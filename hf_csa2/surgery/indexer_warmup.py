@@ -51,11 +51,12 @@ def index_log_probs(indexer, queries_hidden: torch.Tensor, position_embeddings, 
 
 @torch.no_grad()
 def top_k_mass_recall(indexer, hidden: torch.Tensor, position_embeddings, keys: torch.Tensor, target: torch.Tensor,
-                      valid: torch.Tensor, top_k: int, window: int) -> float:
-    """Mean share of the target mass that the indexer's Top-K selection captures."""
+                      valid: torch.Tensor, top_k: int, window: int, block: int = 0) -> float:
+    """Mean share of the target mass that the indexer's Top-K selection (of whole blocks when
+    ``block`` > 1) captures."""
     q, w = indexer.queries(hidden, position_embeddings)
     t = hidden.shape[1]
-    top = indexer.select(q, w, keys, torch.arange(t, device=hidden.device), top_k, window)  # [N, T, K]
+    top = indexer.select(q, w, keys, torch.arange(t, device=hidden.device), top_k, window, block=block)  # [N, T, K]
     picked = target.gather(-1, top.clamp_min(0)) * (top >= 0)
     return float(picked.sum(-1)[valid].mean()) if valid.any() else 1.0
 

@@ -196,6 +196,9 @@ class Csa2Plan:
     other_mode: Annotated[Literal[CSA2_OTHER_MODES], _doc("with full_every: the mode of the other layers")] = "reuse"
     window: Annotated[_int(1, MAX_SEQ), _doc("tokens each layer reads exactly, its own last ones")] = 128
     top_k: Annotated[_int(1, MAX_SEQ), _doc("older entries the indexer selects per query")] = 256
+    select_block: Annotated[Optional[_int(2, MAX_SEQ)], _doc(
+        "block-level selection: positions cut into aligned blocks of this many, each scored by its best position, the "
+        "top_k / select_block best blocks read whole (contiguous reads; must divide top_k); None: token-level Top-K")] = None
     sinks: Annotated[Optional[Bool], _doc("None: keep each layer's own (e.g. from the sinks stage)")] = None
     sink_tokens: Annotated[_int(0, MAX_SEQ), _doc("non-full layers also keep the first N tokens exactly (StreamingLLM attention sinks)")] = 0
     index_head_dim: Annotated[Optional[_int(2, MAX_WIDTH)], _doc(
@@ -215,6 +218,11 @@ class Csa2Plan:
         "lowrank layers: width of the code of each token's own value; None: the full value width (exact values)")] = None
     refit_output: Annotated[Bool, _doc("o_proj of reindex/reuse/swa/lowrank layers (and exact_window full layers) refit to the source's attention output")] = True
     indexer_warmup_steps: Annotated[_int(0, MAX_STEPS), _doc("KL warm-up of full/reindex indexers to the dense attention (0 = training-free only)")] = 100
+
+    def __post_init__(self):
+        if self.select_block is not None and self.top_k % self.select_block:
+            raise PlanError(f"csa2.select_block={self.select_block} does not divide csa2.top_k={self.top_k}: whole "
+                            f"blocks are read; allowed: a divisor of {self.top_k} >= 2, or null")
 
     def layer_modes(self, num_layers: int) -> list[str]:
         if self.layers is not None:

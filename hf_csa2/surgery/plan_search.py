@@ -225,7 +225,7 @@ class PlanBank:
                                  sinks=self.plan.sinks, sink_tokens=self.plan.sink_tokens,
                                  exact_window=self.plan.exact_window,
                                  lowrank_ranks=(self.plan.lowrank_key_rank, self.plan.lowrank_value_rank),
-                                 head_dim=attention_head_dim(self.dense.config))
+                                 head_dim=attention_head_dim(self.dense.config), select_block=self.plan.select_block)
         return validate_csa2_sources(specs)
 
     def modes(self, full_layers: Iterable[int]) -> list[str]:

@@ -200,3 +200,19 @@ def test_fused_top_k_refuses_a_k_below_one():
     q, w, k, positions = inputs(5, 1, 4, 4, 1, 16)
     with pytest.raises(ValueError, match="top_k is 0"):
         fused_select_top_k(q, w, k, positions, 0, 1)
+
+
+def test_fused_block_selection_is_the_torch_block_pick_on_the_kernels_scores():
+    torch.manual_seed(1)
+    indexer = Indexer(32, 4, 16, [0, 1], rotary_dim=8, with_key=True).to(DEVICE)
+    x = torch.randn(2, 40, 32, device=DEVICE)
+    cos, sin = torch.ones(2, 40, 8, device=DEVICE), torch.zeros(2, 40, 8, device=DEVICE)
+    keys = indexer.keys(x, (cos, sin))
+    iq, iw = indexer.queries(x, (cos, sin))
+    positions, starts = torch.arange(40, device=DEVICE), torch.tensor([0, 7], device=DEVICE)
+    with torch.no_grad():
+        got = indexer.select(iq, iw, keys, positions, 8, 3, starts=starts, fused=True, block=4)
+        want = select_top_k(iq, iw, keys, positions, 8, 3, starts=starts, scores=masked_index_scores, block=4)
+        token = indexer.select(iq, iw, keys, positions, 8, 3, starts=starts, fused=True)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, token)

@@ -33,7 +33,7 @@ def calib(seed=1):
 
 
 def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, sink_tokens=0, exact_window=False,
-               lowrank_ranks=(6, 5)):
+               lowrank_ranks=(6, 5), select_block=None):
     """Tiny source -> MLA (1/2-ish rank, 2 rope pairs) -> CSA2 with the given plan; indexers,
     readers and sinks randomised so that every term of every read is exercised."""
     src = tiny_model(arch, num_layers=len(modes))
@@ -42,7 +42,7 @@ def csa2_model(arch, modes, sources, *, window=3, top_k=4, sinks=True, seed=0, s
     specs = csa2_layer_specs(
         mla.config.attention_layers, dense_layer_specs(src), modes, sources,
         window=window, top_k=top_k, index_heads=2, index_head_dim=8, index_rope_pairs=[0, 1], sinks=sinks,
-        sink_tokens=sink_tokens, exact_window=exact_window, lowrank_ranks=lowrank_ranks,
+        sink_tokens=sink_tokens, exact_window=exact_window, lowrank_ranks=lowrank_ranks, select_block=select_block,
     )
     model = assemble_csa2(src, mla, specs)
     model.config._attn_implementation = "eager"
@@ -313,6 +313,9 @@ def make_config(specs):
         (lambda s: s[1].update(mode="copy"), "allowed: swa, full, reindex, reuse"),
         (lambda s: s.__setitem__(0, {**s[0], "mode": "swa"}), "unknown keys"),
         (lambda s: s[0].update(index_rope_pairs=[0, 1, 2, 3, 4]), "index_rope_pairs"),
+        (lambda s: s[0].update(select_block=3), r"select_block=3 does not divide top_k=8.*a divisor of 8 >= 2"),
+        (lambda s: s[0].update(select_block=1), r"select_block=1 must be an integer >= 2"),
+        (lambda s: s[1].update(select_block=2), "unknown keys"),  # a reuse layer reads its source's picks
     ],
 )
 def test_plan_validation_names_the_problem(edit, message):
@@ -331,13 +334,42 @@ def test_reuse_of_a_reindex_layer_reads_the_full_layers_entries():
     assert cfg.attention_layers[2]["entries"] == 0 and cfg.attention_layers[1]["index_head_dim"] == 8
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_block_selection_keeps_prefill_chunked_prefill_and_decode_consistent(arch):
+    """Blocks of 2 (Top-4 = two whole blocks) in the full and reindex layers: every chunk
+    schedule reads what the one-shot prefill reads, and the picks are whole blocks."""
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, select_block=2)
+    specs = model.config.attention_layers
+    assert [spec.get("select_block") for spec in specs] == [2, 2, None, None, None]
+    x = ids(length=17)
+    with torch.no_grad():
+        full = model(x).logits
+        for chunks in ([5, 1, 6, 5], [1] * 17):
+            got, _ = incremental_logits(model, x, chunks)
+            assert (got - full).abs().max() <= 1e-4, chunks
+        token_level, _, _ = csa2_model(arch, *MIXED_PLAN)
+        assert (token_level(x).logits - full).abs().max() > 1e-3  # the blocks change what is read
+    top = model.model.layers[0].self_attn.scratch["top_k"]
+    real = top[top >= 0]
+    assert real.numel() and all((row[row >= 0] // 2).unique().numel() <= 2 for row in top.flatten(0, 1))
+
+
+def test_a_plan_whose_block_does_not_divide_top_k_is_refused():
+    from hf_csa2.surgery.plan import ConversionPlan, PlanError
+
+    mla = {"kv_lora_rank": 64, "qk_rope_head_dim": 16}
+    with pytest.raises(PlanError, match=r"csa2.select_block=48 does not divide csa2.top_k=256: .*a divisor of 256"):
+        ConversionPlan.from_dict({"csa2": {"full_every": 2, "select_block": 48}, "mla": mla})
+    assert ConversionPlan.from_dict({"csa2": {"full_every": 2, "select_block": 64}, "mla": mla}).csa2.select_block == 64
+
+
 # -- reload ---------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 @pytest.mark.parametrize("exact_window", [False, True])
 def test_reloads_without_hf_csa2(arch, exact_window, tmp_path):
-    model, _, _ = csa2_model(arch, *MIXED_PLAN, exact_window=exact_window)
+    model, _, _ = csa2_model(arch, *MIXED_PLAN, exact_window=exact_window, select_block=2 if exact_window else None)
     with torch.no_grad():
         assert_reloads_without_hf_csa2(model, ids(batch=1, length=11), tmp_path)
     assert any(isinstance(l.self_attn, Csa2ReaderAttention) for l in model.model.layers)

@@ -50,6 +50,12 @@ def test_left_padded_prefill_and_decode_equal_each_row_alone(arch, exact_window)
     assert_left_padding_reads_as_alone(csa2_model(arch, *MIXED_PLAN, exact_window=exact_window)[0], arch)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_left_padded_rows_with_block_selection_equal_each_row_alone(arch):
+    # blocks align to each row's first real position, so padding does not move them
+    assert_left_padding_reads_as_alone(csa2_model(arch, *MIXED_PLAN, select_block=2)[0], arch)
+
+
 @pytest.mark.parametrize("path", ["explicit", "absorbed"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_mla_left_padded_batches_equal_each_row_alone(arch, path):

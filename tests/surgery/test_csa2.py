@@ -204,6 +204,22 @@ def test_indexer_warm_up_lowers_the_kl_and_does_not_lose_recall():
     assert all(p.requires_grad for p in model.parameters())  # training flags restored
 
 
+def test_block_selection_from_the_plan_reaches_the_layers_and_the_recall_it_reports():
+    """csa2.select_block: full and reindex layers select whole blocks, and the Top-K recall the fit
+    reports is that of the blocks (another set than token-level Top-K's on the same indexer)."""
+    _, model, report = convert_tiny("llama", select_block=4)
+    _, _, token_report = convert_tiny("llama")
+    assert [s.get("select_block") for s in model.config.attention_layers] == [4, None, 4, None, None]
+    for i in (0, 2):
+        blocks, tokens = report.layers[i].top_k_recall_init, token_report.layers[i].top_k_recall_init
+        assert 0 < blocks <= 1 and blocks != tokens, (blocks, tokens)
+    x = windows(2, 40, seed=7)
+    with torch.no_grad():
+        model(x)
+    top = model.model.layers[0].self_attn.scratch["top_k"]
+    assert all((row[row >= 0] // 4).unique().numel() <= 2 for row in top.flatten(0, 1))
+
+
 def test_entry_mass_calibration_matches_the_dense_share_of_the_selected_positions():
     src, model, report = convert_tiny("llama")
     for i in (1, 2, 3):
