@@ -90,7 +90,7 @@ class AttentionBase(nn.Module):
     def _decode_kernel(self, query, key, value, dropout):
         """hf_csa2's Triton decode step where ``dense_attention_path`` asks for it and the call is a
         decode step (:func:`decode_applies`): "triton" always (refused where it cannot run), "auto"
-        on CUDA where it can run; else None (the torch path)."""
+        for layers with sinks on CUDA where it can run (as for fla-core); else None (the torch path)."""
         path = getattr(self.config, "dense_attention_path", "auto") or "auto"
         if path not in ("triton", "auto") or not decode_applies(query, key, value, self.sinks, dropout):
             return None
@@ -99,7 +99,7 @@ class AttentionBase(nn.Module):
             raise ValueError("dense_attention_path='triton' needs the hf-csa2 package with Triton (pip install "
                              "'hf-csa2[triton]') and a CUDA device, or TRITON_INTERPRET=1; allowed without them: "
                              f"{', '.join(p for p in DENSE_ATTENTION_PATHS if p != 'triton')}")
-        return kernel if path == "triton" or query.device.type == "cuda" else None
+        return kernel if path == "triton" or (self.sinks is not None and query.device.type == "cuda") else None
 
     def _uses_fla(self, query, key, attention_mask, dropout) -> bool:
         """``dense_attention_path``: "fla" and "triton" take fla-core's kernel wherever it applies (a

@@ -33,8 +33,8 @@ and masks), plus fields of ours:
   ``TRITON_INTERPRET=1``; the attention weights some tools ask for still come from "gather").
   Where the fused read runs, the indexers score through ``hf_csa2.kernels.indexer`` too.
 * ``dense_attention_path`` -- the softmax attention of dense and MLA layers under SDPA:
-  ``"auto"`` (on CUDA: fla-core's Triton ``parallel_attn`` for prefills of layers with sinks where
-  fla-core is installed, hf_csa2's Triton decode kernel for decode steps where hf_csa2 is
+  ``"auto"`` (on CUDA, for layers with sinks: fla-core's Triton ``parallel_attn`` for prefills
+  where fla-core is installed, hf_csa2's Triton decode kernel for decode steps where hf_csa2 is
   installed; else torch), ``"torch"`` (``sink_attention.sdpa_sink_attention``), ``"fla"``
   (fla-core wherever it applies: causal prefills and training windows without a padding mask;
   cached decode steps stay on torch) or ``"triton"`` (as "fla", and decode steps through
