@@ -29,9 +29,12 @@ ALLOWED_LOCAL_IMPORTS = {
     ("model/sparse_attention.py", "hf_csa2.kernels"),
     ("model/sparse_attention.py", "hf_csa2.kernels.sparse_read"),
     ("model/indexer.py", "hf_csa2.kernels.indexer"),
+    ("model/sink_attention.py", "hf_csa2.kernels"),
+    ("model/sink_attention.py", "hf_csa2.kernels.decode"),
     # Triton is imported on first use only, so hf_csa2.kernels imports without it
     ("kernels/sparse_read/op.py", "hf_csa2.kernels.sparse_read"),
     ("kernels/indexer/op.py", "hf_csa2.kernels.indexer"),
+    ("kernels/decode/op.py", "hf_csa2.kernels.decode"),
 }
 ROOT = {"cli", "__main__", "__init__"}  # the top layer: one unit
 

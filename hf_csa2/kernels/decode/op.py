@@ -21,6 +21,14 @@ def _one_head_if_broadcast(x: torch.Tensor) -> torch.Tensor:
     return x[:, :1] if x.shape[1] > 1 and x.stride(1) == 0 else x
 
 
+def _step_mask(attention_mask: torch.Tensor, s: int) -> torch.Tensor:
+    """[B|1, S] bool (True = may attend) of a decode step's transformers mask: bool, or additive
+    (0 allowed, dtype-min masked), [B|1, 1, 1, S'] with S' >= S."""
+    mask = attention_mask if attention_mask.dtype == torch.bool else (
+        attention_mask > torch.finfo(attention_mask.dtype).min / 2)
+    return mask[..., -1, :s].reshape(mask.shape[0], s)
+
+
 def decode_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, *, scaling: float,
                           sinks: torch.Tensor | None = None, split_len: int | None = None) -> tuple[torch.Tensor, None]:
@@ -41,8 +49,6 @@ def decode_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         ``(out [B, 1, HQ, Dv] in the query's dtype, None)``; a row with no allowed key gives zeros.
         Not differentiable (a decode step).
     """
-    from ...model.sink_attention import allowed_mask
-
     require_available("decode_sink_attention", _REFERENCE)
     kernel = _kernels()
     if query.dim() != 4 or query.shape[2] != 1:
@@ -68,8 +74,7 @@ def decode_sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
         v = v.expand(b, h, s, v.shape[-1])  # stride 0: read once per KV head
     allowed = None
     if attention_mask is not None:
-        mask = allowed_mask(attention_mask, 1, s, query.device)  # [B|1, 1, 1, S]
-        allowed = mask.reshape(mask.shape[0], s).expand(b, s).to(torch.int8)
+        allowed = _step_mask(attention_mask, s).expand(b, s).to(torch.int8)
     out = kernel.decode_forward(query.detach()[:, :, 0], k.detach(), v.detach(), allowed, scaling,
                                 None if sinks is None else sinks.detach().float(), split_len)
     return out[:, None].to(query.dtype), None
