@@ -117,10 +117,22 @@ FIRST_LEADS = (
     'Of the words "{a}" and "{b}", the one that appears earlier in the text above is: ',
     'Between "{a}" and "{b}", the word this passage has first is: ',
 )
+# ``planted``: a sentence of ANOTHER document planted at a random place of the passage, then that sentence with
+# one word left out (a word the passage itself never has): the answer has nothing to do with what the
+# passage is about, so neither its topic nor its style gives it away; it must be found and read back.
+PLANTED_PROMPTS = (
+    'A sentence from another text was slipped into the passage above: "{cue}". Which word is missing from it? '
+    "Answer with that word only.",
+    'Somewhere in this passage is a sentence that does not belong there: "{cue}". Give the word in its gap.',
+)
+PLANTED_LEADS = (
+    'The sentence slipped into the text above, "{cue}", has in its gap the word: ',
+    'Where the out-of-place sentence "{cue}" has a gap, the passage reads: ',
+)
 PROMPTS = {"recall": RECALL_PROMPTS, "next": NEXT_PROMPTS, "fill": FILL_PROMPTS, "first": FIRST_PROMPTS,
-           "lookalike": LOOKALIKE_PROMPTS}
+           "lookalike": LOOKALIKE_PROMPTS, "planted": PLANTED_PROMPTS}
 LEADS = {"recall": RECALL_LEADS, "next": NEXT_LEADS, "fill": FILL_LEADS, "first": FIRST_LEADS,
-         "lookalike": LOOKALIKE_LEADS}
+         "lookalike": LOOKALIKE_LEADS, "planted": PLANTED_LEADS}
 
 
 def _request(template: str, cue) -> str:
@@ -230,6 +242,37 @@ def _lookalike_pick(chunk: str, k: int) -> tuple[str, tuple[str, str]] | None:
     return planted, (cue, answer)
 
 
+def _planted_pick(chunk: str, k: int, foreign: list[str]) -> tuple[str, tuple[str, str]] | None:
+    """``(the passage with a sentence of another document planted in it, (cue, answer))`` for
+    ``planted``: a copyable sentence of ``foreign`` (that document's sentences) with a word of 4+
+    characters that occurs once in it and nowhere in the passage (any case, whole words), planted
+    before a random sentence of the passage or after the last; the cue is that sentence with the
+    word left out. None when no sentence of ``foreign`` qualifies."""
+    sentences = _sentences(chunk)
+    if not foreign or not sentences:
+        return None
+    rng = random.Random(k)
+    for j in rng.sample(range(len(foreign)), len(foreign)):  # the first that qualifies, in a random order
+        sentence = " ".join(foreign[j].split())
+        if not _copyable(sentence):
+            continue
+        words = [w for w in dict.fromkeys(re.findall(_WORD, sentence)) if len(w) >= 4
+                 and len(re.findall(_whole_word(w), sentence, flags=re.IGNORECASE)) == 1
+                 and not re.search(_whole_word(w), chunk, flags=re.IGNORECASE)]
+        if words:
+            break
+    else:
+        return None
+    answer = rng.choice(words)
+    place = rng.randrange(len(sentences) + 1)
+    if place == len(sentences):
+        planted = f"{chunk.rstrip()} {sentence}"
+    else:
+        at = chunk.find(sentences[place])
+        planted = f"{chunk[:at]}{sentence} {chunk[at:]}"
+    return planted, (re.sub(_whole_word(answer), BLANK, sentence, count=1), answer)
+
+
 def _copy_pick(chunk: str, k: int, task: str) -> tuple[str, str] | None:
     """``(cue, answer)`` of a copy task on one passage: ``recall`` cues a sentence by its first words,
     ``next`` quotes a whole sentence and answers with the one after it, ``fill`` quotes a sentence
@@ -278,15 +321,17 @@ def _check_tasks(tasks: tuple[str, ...]) -> None:
         raise ValueError(f"tasks={list(tasks)}: allowed values are {', '.join(CHAT_TASKS)} (at least one)")
 
 
-def _task_picks(text: str, passage_chars: int, start: int, tasks: tuple[str, ...]):
+def _task_picks(text: str, passage_chars: int, start: int, tasks: tuple[str, ...], foreign: str | None = None):
     """``(k, task, passage, pick)`` per passage: the task in turn from ``tasks[start % len]``, and
-    for a copy task its ``(cue, answer)``; a passage no copy task fits becomes ``continue``."""
+    for a copy task its ``(cue, answer)``; a passage no copy task fits becomes ``continue``.
+    ``foreign``: another document, whose sentences ``planted`` plants (None: ``planted`` never fits)."""
     _check_tasks(tasks)
+    foreign_sentences = _sentences(foreign) if foreign and "planted" in tasks else []
     for i, chunk in enumerate(_passages(text, passage_chars)):
         k = start + i
         task = tasks[k % len(tasks)]
-        if task == "lookalike":  # the one task that changes the passage: a look-alike sentence planted in it
-            planted = _lookalike_pick(chunk, k)
+        if task in ("lookalike", "planted"):  # the tasks that change the passage: a sentence planted in it
+            planted = _lookalike_pick(chunk, k) if task == "lookalike" else _planted_pick(chunk, k, foreign_sentences)
             chunk, pick = planted if planted else (chunk, None)
         else:
             pick = _copy_pick(chunk, k, task) if task != "continue" else None
@@ -294,7 +339,7 @@ def _task_picks(text: str, passage_chars: int, start: int, tasks: tuple[str, ...
 
 
 def passages_to_chat(text: str, passage_chars: int, start: int = 0,
-                     tasks: tuple[str, ...] = ("continue",)) -> list[list[dict]]:
+                     tasks: tuple[str, ...] = ("continue",), foreign: str | None = None) -> list[list[dict]]:
     """Chat exchanges cut from one document: consecutive paragraphs gathered to about
     ``passage_chars`` characters, each turned into one exchange of the task ``tasks[(start + i) %
     len(tasks)]`` (:data:`CHAT_TASKS`):
@@ -310,12 +355,14 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
       asking which comes first; the answer is that word;
     - ``lookalike``: the passage with a copy of one of its sentences planted a third of it away, two
       words of the copy swapped for others of the passage; then the original with one of those two
-      words left out, asking for it (the look-alike holds a wrong answer).
+      words left out, asking for it (the look-alike holds a wrong answer);
+    - ``planted``: the passage with a sentence of the document ``foreign`` planted at a random place,
+      then that sentence with a word the passage never has left out, asking for it.
 
     A passage with no sentence that fits a copy task becomes a ``continue`` exchange. Requests
     rotate and picks follow from ``start`` and the position, so the output is deterministic."""
     exchanges = []
-    for k, task, chunk, pick in _task_picks(text, passage_chars, start, tasks):
+    for k, task, chunk, pick in _task_picks(text, passage_chars, start, tasks, foreign):
         if task == "continue":
             exchange = _continue_exchange(chunk, k)
         else:
@@ -329,19 +376,19 @@ def passages_to_chat(text: str, passage_chars: int, start: int = 0,
 
 
 def passages_to_completions(text: str, passage_chars: int, start: int = 0,
-                            tasks: tuple[str, ...] = ("continue",)) -> list[str]:
+                            tasks: tuple[str, ...] = ("continue",), foreign: str | None = None) -> list[str]:
     """The copy tasks for a base model (no chat template): the same passages and picks as
     :func:`passages_to_chat`, as plain-text documents. ``continue``: the passage as it is;
     ``recall`` / ``next``: the passage, a blank line, a lead-in quoting the cue
     (:data:`RECALL_LEADS` / :data:`NEXT_LEADS`) and the sentence asked for, so the loss on the
     answer's tokens is a loss on copying from the prompt."""
-    return [document for document, _ in _completion_documents(text, passage_chars, start, tasks)]
+    return [document for document, _ in _completion_documents(text, passage_chars, start, tasks, foreign)]
 
 
-def _completion_documents(text: str, passage_chars: int, start: int, tasks: tuple[str, ...]):
+def _completion_documents(text: str, passage_chars: int, start: int, tasks: tuple[str, ...], foreign: str | None = None):
     """:func:`passages_to_completions`' documents, each with the character offset where its answer
     (the sentence asked for) starts; None for a passage as it is."""
-    for k, task, chunk, pick in _task_picks(text, passage_chars, start, tasks):
+    for k, task, chunk, pick in _task_picks(text, passage_chars, start, tasks, foreign):
         if task == "continue":
             yield chunk, None
         else:
@@ -350,18 +397,24 @@ def _completion_documents(text: str, passage_chars: int, start: int, tasks: tupl
             yield document, len(document) - len(pick[1])
 
 
+def _foreign_documents(texts: list[str]) -> list[str | None]:
+    """For each document of a batch, the one half a batch away (another document, for ``planted``)."""
+    n = len(texts)
+    return [texts[(j + n // 2) % n] if n > 1 else None for j in range(n)]
+
+
 def _to_chat(passage_chars: int, tasks: tuple[str, ...]):
     def convert(batch: dict, indices: list[int]) -> dict:
-        return {"messages": [m for i, text in zip(indices, batch["text"])
-                             for m in passages_to_chat(text, passage_chars, i, tasks)]}
+        return {"messages": [m for i, text, other in zip(indices, batch["text"], _foreign_documents(batch["text"]))
+                             for m in passages_to_chat(text, passage_chars, i, tasks, other)]}
 
     return convert
 
 
 def _to_completions(passage_chars: int, tasks: tuple[str, ...], answers: bool = False):
     def convert(batch: dict, indices: list[int]) -> dict:
-        docs = [d for i, text in zip(indices, batch["text"])
-                for d in _completion_documents(text, passage_chars, i, tasks)]
+        docs = [d for i, text, other in zip(indices, batch["text"], _foreign_documents(batch["text"]))
+                for d in _completion_documents(text, passage_chars, i, tasks, other)]
         out = {"text": [d for d, _ in docs]}
         if answers:
             out["answer_from"] = [-1 if a is None else a for _, a in docs]
@@ -505,7 +558,7 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "FIRST_LEADS", "FIRST_PROMPTS", "LOOKALIKE_LEADS",
+__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "FIRST_LEADS", "FIRST_PROMPTS", "LOOKALIKE_LEADS", "PLANTED_LEADS", "PLANTED_PROMPTS",
            "LOOKALIKE_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS",
            "PROMPTS", "RECALL_LEADS", "RECALL_PROMPTS",
            "chat_format", "load_records", "passages_to_chat", "passages_to_completions", "training_blocks", "write_chat_jsonl"]

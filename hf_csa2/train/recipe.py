@@ -34,7 +34,7 @@ from ..typed_config import set_fields as set_typed_fields
 
 DATA_FORMATS = ("auto", "text", "chat")
 ANSWER_SOURCES = ("passage", "teacher")
-CHAT_TASKS = ("continue", "recall", "next", "fill", "first", "lookalike")
+CHAT_TASKS = ("continue", "recall", "next", "fill", "first", "lookalike", "planted")
 SCHEDULES = ("cosine", "linear", "constant")
 MAX_STEPS = 10_000_000
 MAX_SEQ = 1 << 20
@@ -77,7 +77,9 @@ class DataSpec:
         "these words), next (the whole passage, then: quote the sentence after this one), fill (the whole passage, "
         "then one of its sentences with a word left out: which word), first (the whole passage, then two of its "
         "words: which comes first), lookalike (the passage with a near-copy of one sentence planted far from it, "
-        "then the original with a word left out: which word, not the copy's). In the text format the copy tasks "
+        "then the original with a word left out: which word, not the copy's), planted (the passage with a sentence "
+        "of another document of the same data.text entry planted at a random place, then that sentence with a word "
+        "left out that the passage never has: which word; an entry of one document has none to plant). In the text format the copy tasks "
         "are a lead-in quoting the cue and the answer, for base models. The copy tasks train "
         "copying from the prompt, which perplexity-only distillation does not bring back")] = dataclasses.field(
             default_factory=lambda: ["continue"])

@@ -248,6 +248,57 @@ def test_lookalike_exchanges_plant_a_near_copy_far_away_and_ask_for_the_original
     assert _task_of(passages_to_chat(DOC, 1000, tasks=("lookalike",))[0][0]["content"]) == "continue"
 
 
+FOREIGN = ("Kettles whistle loudly when the water boils over. A heron waited motionless beside the quiet pond. "
+           "Grandmother baked cinnamon bread every winter morning.")
+
+
+def test_planted_exchanges_plant_another_documents_sentence_and_ask_for_a_word_the_passage_lacks():
+    import re
+
+    from hf_csa2.train.data import BLANK, PLANTED_PROMPTS, _sentences, passages_to_chat
+
+    old, foreign = _sentences(DOC), _sentences(FOREIGN)
+    places, answers = set(), set()
+    for k in range(60):
+        user, answer = (m["content"] for m in passages_to_chat(DOC, 1000, start=k, tasks=("planted",), foreign=FOREIGN)[0])
+        passage, _, request = user.rpartition("\n\n")
+        assert _task_of(request) == "planted" and request.startswith(PLANTED_PROMPTS[k % 2].split('"')[0])
+        cue = request.split('"')[1]
+        assert cue.count(BLANK) == 1
+        new = _sentences(passage)
+        (planted,) = [x for x in new if x not in old]
+        assert [x for x in new if x != planted] == old  # the passage is kept whole, one sentence added
+        assert planted in foreign and cue.replace(BLANK, answer) == planted  # the answer is the planted sentence's word
+        assert not re.search(rf"\b{re.escape(answer)}\b", DOC, re.IGNORECASE)  # nothing of the passage gives it away
+        assert len(re.findall(rf"\b{re.escape(answer)}\b", passage, re.IGNORECASE)) == 1
+        places.add(new.index(planted))
+        answers.add(answer)
+    assert places == set(range(len(old) + 1))  # at the start, in between, at the end
+    assert len(answers) > 5
+    # no other document, or none of its sentences has a word the passage lacks: continue instead
+    assert _task_of(passages_to_chat(DOC, 1000, tasks=("planted",))[0][0]["content"]) == "continue"
+    assert _task_of(passages_to_chat(DOC, 1000, tasks=("planted",), foreign=DOC)[0][0]["content"]) == "continue"
+
+
+def test_planted_takes_its_sentence_from_another_document_of_the_batch_in_both_formats():
+    from hf_csa2.train.data import BLANK, PLANTED_LEADS, _sentences, _to_chat, _to_completions
+
+    tasks = ("planted",)
+    chats = _to_chat(500, tasks)({"text": [DOC, FOREIGN]}, [0, 1])["messages"]
+    docs = _to_completions(500, tasks, answers=True)({"text": [DOC, FOREIGN]}, [0, 1])
+    assert len(chats) == 2 and len(docs["text"]) == 2
+    for k, (chat, document, start, own, other) in enumerate(zip(chats, docs["text"], docs["answer_from"], (DOC, FOREIGN),
+                                                                (FOREIGN, DOC))):
+        user, answer = chat[0]["content"], chat[1]["content"]
+        passage, _, request = user.rpartition("\n\n")
+        (planted,) = [x for x in _sentences(passage) if x not in _sentences(own)]
+        assert planted in _sentences(other)
+        cue = request.split('"')[1]
+        assert document == f"{passage}\n\n{PLANTED_LEADS[k % 2].format(cue=cue)}{answer}" and cue.count(BLANK) == 1
+        assert document[start:] == answer
+    assert _to_chat(1000, tasks)({"text": [DOC]}, [0])["messages"][0][0]["content"].startswith("Continue")  # alone
+
+
 def test_copy_tasks_rotate_and_fall_back_to_continuing_when_no_sentence_fits():
     from hf_csa2.train.data import passages_to_chat
 
