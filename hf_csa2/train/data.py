@@ -558,7 +558,7 @@ def write_chat_jsonl(records: list[list[dict]], path: str | Path) -> Path:
     return path
 
 
-__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "FIRST_LEADS", "FIRST_PROMPTS", "LOOKALIKE_LEADS", "PLANTED_LEADS", "PLANTED_PROMPTS",
-           "LOOKALIKE_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS",
+__all__ = ["BLANK", "CHAT_TASKS", "CONTINUE_PROMPTS", "FILL_LEADS", "FILL_PROMPTS", "FIRST_LEADS", "FIRST_PROMPTS", "LOOKALIKE_LEADS",
+           "LOOKALIKE_PROMPTS", "LEADS", "NEXT_LEADS", "NEXT_PROMPTS", "PLANTED_LEADS", "PLANTED_PROMPTS",
            "PROMPTS", "RECALL_LEADS", "RECALL_PROMPTS",
            "chat_format", "load_records", "passages_to_chat", "passages_to_completions", "training_blocks", "write_chat_jsonl"]
