@@ -58,6 +58,15 @@ def answer_weights(answer_mask: torch.Tensor, weight: float, positions: torch.Te
     return 1.0 + (weight - 1.0) * targets.float()
 
 
+def last_answer_start(answer_mask: torch.Tensor) -> int | None:
+    """Index of the first token of the last run of answer tokens in one block's ``answer_mask``
+    ``[T]`` that has something before it to answer (a run at position 0 is the tail of an exchange
+    packed into the block before); None when there is none."""
+    m = answer_mask.bool()
+    starts = (m[1:] & ~m[:-1]).nonzero().flatten() + 1
+    return int(starts[-1]) if len(starts) else None
+
+
 def distillation_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor | None, input_ids: torch.Tensor,
                       kind: str = "kd", temperature: float = 1.0, lm_weight: float = 0.5,
                       positions: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,6 +195,15 @@ class DistillationTrainer(Trainer):
     ``answer_weight``: the loss on predictions of answer tokens (the batches' ``answer_mask``, from
     :func:`hf_csa2.train.data.training_blocks` with ``answers``) weighs this many times a context
     token's, in a weighted mean (1: every token alike, no mask needed).
+
+    ``on_policy``: the share of micro-batches (drawn with torch's global generator, which checkpoints
+    restore) on which the student writes the answers itself (GKD, Agarwal et al. 2024): each block
+    is cut before its last answer (:func:`last_answer_start`), the student continues it greedily for at
+    most ``on_policy_tokens`` tokens (stopped at its end-of-turn), and the loss is the token KL to the
+    teacher on the written tokens alone (the context is scored on the other micro-batches). The teacher so corrects the student in the
+    states its own decoding reaches (loops, drift to the passage's topic), which the passage's answer
+    never visits. Blocks without an answer keep the usual loss; these micro-batches score every
+    position and leave out the indexer loss.
     """
 
     def __init__(self, *args, teacher, held_out: dict[str, torch.Tensor], loss: str = "kd",
@@ -193,7 +211,7 @@ class DistillationTrainer(Trainer):
                  answer_weight: float = 1.0, adapter_extras: list[str] = (),
                  evaluate_at_start: bool = True, indexer=None, indexer_steps: int = 0,
                  indexer_weight: float = 0.0, indexer_lr: float | None = None, probes: dict[str, list] | None = None,
-                 **kwargs):
+                 on_policy: float = 0.0, on_policy_tokens: int = 32, **kwargs):
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval()
         for p in self.teacher.parameters():
@@ -203,6 +221,10 @@ class DistillationTrainer(Trainer):
         self.answer_weight = answer_weight
         self.indexer, self.indexer_steps, self.indexer_weight = indexer, indexer_steps, indexer_weight
         self.indexer_lr = indexer_lr
+        if on_policy and loss != "kd":
+            raise ValueError(f"on_policy={on_policy} needs loss kd (the teacher's distribution over the student's "
+                             f"own tokens), not {loss!r}: an lm loss would train the student on what it wrote")
+        self.on_policy, self.on_policy_tokens = on_policy, on_policy_tokens
         self._index_sum, self._index_count = 0.0, 0  # the indexer loss since the last log line
         self.held_out = held_out
         self.adapter_extras = list(adapter_extras)
@@ -220,6 +242,10 @@ class DistillationTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids = inputs["input_ids"]
         alone = self.in_indexer_phase()
+        if self.on_policy and not alone and float(torch.rand(())) < self.on_policy:
+            loss = self.on_policy_loss(model, ids, inputs["answer_mask"])
+            if loss is not None:
+                return (loss, None) if return_outputs else loss
         index = self.indexer is not None and (alone or self.indexer_weight > 0)
         teacher_logits = None
         scored = self.scored_positions(ids.shape[1], ids.device)
@@ -248,6 +274,51 @@ class DistillationTrainer(Trainer):
             raise FloatingPointError(f"training loss is {loss.item()} at step {self.state.global_step + 1}; "
                                      f"lower the learning rate (now {self.args.learning_rate})")
         return (loss, out) if return_outputs else loss
+
+    @torch.no_grad()
+    def student_answers(self, model, ids: torch.Tensor, answer_mask: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """Per block with an answer: ``(sequence, start)``, the block up to its last answer's
+        ``start`` followed by the student's greedy continuation (at most ``on_policy_tokens`` tokens,
+        its end-of-turn kept when it writes one)."""
+        student = self.accelerator.unwrap_model(model)
+        config = student.generation_config
+        stop = config.eos_token_id
+        pad = config.pad_token_id if config.pad_token_id is not None else (
+            stop[0] if isinstance(stop, (list, tuple)) else stop)
+        was_training = student.training
+        student.eval()
+        try:
+            rows = []
+            for row, mask in zip(ids, answer_mask):
+                start = last_answer_start(mask)
+                if start is None:
+                    continue
+                out = student.generate(input_ids=row[None, :start], attention_mask=torch.ones_like(row[None, :start]),
+                                       do_sample=False, max_new_tokens=self.on_policy_tokens, eos_token_id=stop,
+                                       pad_token_id=pad)
+                rows.append((out[0], start))
+            return rows
+        finally:
+            student.train(was_training)
+
+    def on_policy_loss(self, model, ids: torch.Tensor, answer_mask: torch.Tensor) -> torch.Tensor | None:
+        """Mean over blocks whose last answer the student wrote (:meth:`student_answers`) of the token
+        KL(teacher || student) on the written tokens alone; None when no block has an answer."""
+        rows = self.student_answers(model, ids, answer_mask)
+        if not rows:
+            return None
+        losses = []
+        for seq, start in rows:
+            keep = len(seq) - start + 1  # the positions that predict the written tokens, and the last
+            with torch.no_grad():
+                teacher_logits = self.teacher(input_ids=seq[None], use_cache=False, logits_to_keep=keep).logits
+            student_logits = model(input_ids=seq[None], use_cache=False, logits_to_keep=keep).logits
+            losses.append(token_kl(teacher_logits[:, :-1], student_logits[:, :-1], self.temperature))
+        loss = torch.stack(losses).mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"on-policy loss is {loss.item()} at step {self.state.global_step + 1}; "
+                                     f"lower the learning rate (now {self.args.learning_rate})")
+        return loss
 
     def scored_positions(self, length: int, device) -> torch.Tensor | None:
         """Sorted positions ``[positions]`` of a ``length``-token block the loss is scored on (each

@@ -118,6 +118,13 @@ class LossSpec:
         "task's sentence) relative to the other tokens of a block, in a weighted mean: >1 puts the "
         "training on answering from the prompt (as completion-only SFT does, with the context kept in "
         "the loss at weight 1); 1: every token alike")] = 1.0
+    on_policy: Annotated[number_in(1.0, positive=False), doc(
+        "share of micro-batches on which the student writes each block's last answer itself (greedy, from "
+        "the block cut before it) and is trained on the teacher's distribution over those tokens alone "
+        "(on-policy distillation, GKD); 0: off. Needs kind kd and data with answers (chat exchanges or "
+        "copy tasks)")] = 0.0
+    on_policy_tokens: Annotated[int_in(1, 4096), doc(
+        "on_policy: tokens the student writes per answer at most (stopped at its end-of-turn)")] = 32
     indexer_steps: Annotated[int_in(0, MAX_STEPS), doc(
         "CSA2: first optimizer steps that train only the indexers, on the indexer loss (counted in steps)")] = 0
     indexer_weight: Annotated[number_in(100.0, positive=False), doc(
@@ -233,6 +240,14 @@ class Recipe:
         if recipe.data.answers == "teacher" and recipe.data.format == "text":
             raise RecipeError("recipe.data.answers=teacher writes the assistant turns of chat exchanges, but "
                               "data.format=text has none; use data.format: chat or auto, or data.answers: passage")
+        if recipe.loss.on_policy and recipe.loss.kind != "kd":
+            raise RecipeError(f"recipe.loss.on_policy={recipe.loss.on_policy} needs loss.kind: kd (the teacher's "
+                              f"distribution over the student's own tokens), not {recipe.loss.kind!r}: an lm term "
+                              "would train the student on what it wrote itself")
+        if recipe.loss.on_policy and recipe.data.format == "text" and set(recipe.data.tasks) == {"continue"}:
+            raise RecipeError(f"recipe.loss.on_policy={recipe.loss.on_policy} needs answers for the student to "
+                              "write, but data.format=text with data.tasks=[continue] has none; use data.format: "
+                              "chat or auto, or add copy tasks to data.tasks")
         if recipe.loss.indexer_steps >= recipe.steps:
             raise RecipeError(f"recipe.loss.indexer_steps={recipe.loss.indexer_steps} must be less than "
                               f"recipe.steps={recipe.steps} (the indexer steps come first, then the distillation)")

@@ -172,7 +172,7 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
     args = training_arguments(recipe, out / "checkpoints")
     started = time.perf_counter()
     with args.main_process_first(desc="training data"):  # before --out is touched: data errors leave it as it was
-        train_data = training_blocks(recipe.data, tokenizer, answers=recipe.loss.answer_weight != 1.0,
+        train_data = training_blocks(recipe.data, tokenizer, answers=recipe.loss.answer_weight != 1.0 or recipe.loss.on_policy > 0,
                                      teacher=answer_writer, tokens_needed=recipe.steps * recipe.batch
                                      * recipe.grad_accum * args.world_size * recipe.data.seq_len, log=log)
     if _rank() == 0 and not resume:
@@ -188,6 +188,7 @@ def run_recipe(recipe: Recipe, out_dir: str | os.PathLike, *, resume: bool = Fal
         teacher=teacher, held_out=held_out, loss=recipe.loss.kind, temperature=recipe.loss.temperature,
         lm_weight=recipe.loss.lm_weight, positions=recipe.loss.positions, answer_weight=recipe.loss.answer_weight, indexer=indexer, indexer_steps=recipe.loss.indexer_steps,
         indexer_weight=recipe.loss.indexer_weight, indexer_lr=recipe.optim.indexer_lr, probes=probes,
+        on_policy=recipe.loss.on_policy, on_policy_tokens=recipe.loss.on_policy_tokens,
         adapter_extras=full_names if recipe.peft is not None else [])
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"train: {len(train_data)} blocks of {recipe.data.seq_len} tokens; {trainable:,} trainable values "

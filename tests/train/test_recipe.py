@@ -42,6 +42,10 @@ def test_peft_null_trains_modules_directly():
     (["student=x", "data.text=3"], ["data.text", "a non-empty string"]),
     (["student=x", "peft.layers=[-1]"], ["peft.layers[0]=-1", "greater than or equal to 0"]),
     (["student=x", "loss.answer_weight=0.0"], ["loss.answer_weight=0.0", "greater than 0"]),
+    (["student=x", "loss.on_policy=1.5"], ["loss.on_policy=1.5", "less than or equal to 1"]),
+    (["student=x", "loss.on_policy=0.5", "loss.kind=kd+lm"], ["loss.on_policy=0.5 needs loss.kind: kd", "'kd+lm'"]),
+    (["student=x", "loss.on_policy=0.5", "data.format=text"], ["on_policy=0.5 needs answers", "data.tasks=[continue]"]),
+    (["student=x", "loss.on_policy_tokens=0"], ["loss.on_policy_tokens=0", "greater than or equal to 1"]),
 ])
 def test_bad_fields_name_the_field_and_what_is_allowed(sets, words):
     with pytest.raises(RecipeError) as err:

@@ -144,6 +144,52 @@ def test_answer_weight_weighs_the_loss_on_the_answer_tokens_of_each_batch(work, 
     assert abs(loss.item() - distillation_loss(s, t, ids, "kd").item()) > 1e-4
 
 
+def test_last_answer_start_is_the_last_run_with_something_before_it():
+    from hf_csa2.engine.trainer import last_answer_start
+
+    assert last_answer_start(torch.tensor([0, 0, 1, 1, 0, 1, 1, 1])) == 5
+    assert last_answer_start(torch.tensor([1, 1, 0, 0, 1, 0])) == 4
+    assert last_answer_start(torch.tensor([1, 1, 0, 0])) is None  # the tail of an exchange of the block before
+    assert last_answer_start(torch.zeros(6, dtype=torch.long)) is None
+
+
+def test_on_policy_scores_the_students_own_greedy_answer_against_the_teacher(work, tmp_path):
+    """loss.on_policy: each block is cut before its last answer, the student writes the answer
+    greedily, and the loss is KL(teacher || student) on those written tokens alone, mean over blocks;
+    blocks without an answer fall back to the usual loss."""
+    from hf_csa2.engine.trainer import DistillationTrainer, token_kl
+    from hf_csa2.train.trainer import prepare_student, training_arguments
+
+    recipe = load_recipe(None, recipe_sets(work, "mla", "loss.on_policy=1.0", "loss.on_policy_tokens=5"))
+    teacher = load_source(work / "src").model
+    model, _ = prepare_student(load_source(work / "mla").model, teacher, recipe)
+    model.get_base_model().generation_config.eos_token_id = None  # random weights: no early stop, 5 tokens each
+    trainer = DistillationTrainer(model=model, args=training_arguments(recipe, tmp_path), teacher=teacher,
+                                  eval_dataset=datasets.Dataset.from_dict({"input_ids": [[1, 2]]}), held_out={},
+                                  on_policy=recipe.loss.on_policy, on_policy_tokens=recipe.loss.on_policy_tokens,
+                                  evaluate_at_start=False)
+    torch.manual_seed(3)
+    ids = torch.randint(4, 100, (2, 64))
+    mask = torch.zeros(2, 64, dtype=torch.long)
+    mask[0, 30:40], mask[1, 50:64] = 1, 1
+    loss = trainer.compute_loss(model, {"input_ids": ids, "answer_mask": mask})
+    expect = []
+    with torch.no_grad():
+        for row, start in ((ids[0], 30), (ids[1], 50)):
+            seq = row[:start]
+            for _ in range(5):  # greedy, one token at a time, without a cache
+                seq = torch.cat([seq, model(input_ids=seq[None]).logits[0, -1].argmax()[None]])
+            s, t = model(input_ids=seq[None]).logits, teacher(input_ids=seq[None]).logits
+            expect.append(token_kl(t[:, start - 1:-1], s[:, start - 1:-1]))
+            assert not torch.equal(seq[start:], row[start:start + 5])  # it scored its own tokens, not the block's
+    torch.testing.assert_close(loss.detach(), torch.stack(expect).mean(), rtol=1e-4, atol=1e-6)
+    assert loss.requires_grad
+    no_answer = trainer.compute_loss(model, {"input_ids": ids, "answer_mask": torch.zeros_like(mask)})
+    with torch.no_grad():
+        plain = distillation_loss(model(input_ids=ids).logits, teacher(input_ids=ids).logits, ids, "kd")
+    torch.testing.assert_close(no_answer.detach(), plain)
+
+
 def test_loss_positions_score_a_fresh_draw_of_positions_with_logits_there_only(work, tmp_path):
     """loss.positions: teacher and student compute logits at N positions of each block (sorted,
     distinct, each predicting a token of the block), drawn anew for each micro-batch."""
