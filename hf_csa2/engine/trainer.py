@@ -225,6 +225,7 @@ class DistillationTrainer(Trainer):
             raise ValueError(f"on_policy={on_policy} needs loss kd (the teacher's distribution over the student's "
                              f"own tokens), not {loss!r}: an lm loss would train the student on what it wrote")
         self.on_policy, self.on_policy_tokens = on_policy, on_policy_tokens
+        self._policy_sum, self._policy_count = 0.0, 0  # the on-policy loss since the last log line
         self._index_sum, self._index_count = 0.0, 0  # the indexer loss since the last log line
         self.held_out = held_out
         self.adapter_extras = list(adapter_extras)
@@ -245,6 +246,8 @@ class DistillationTrainer(Trainer):
         if self.on_policy and not alone and float(torch.rand(())) < self.on_policy:
             loss = self.on_policy_loss(model, ids, inputs["answer_mask"])
             if loss is not None:
+                self._policy_sum += float(loss.detach())
+                self._policy_count += 1
                 return (loss, None) if return_outputs else loss
         index = self.indexer is not None and (alone or self.indexer_weight > 0)
         teacher_logits = None
@@ -328,10 +331,14 @@ class DistillationTrainer(Trainer):
         return torch.randperm(length - 1)[: self.positions].sort().values.to(device)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Training log lines also carry ``index_kl``, the mean indexer loss since the last line."""
+        """Training log lines also carry ``index_kl``, the mean indexer loss since the last line, and
+        ``on_policy_kl``, the mean loss of the on-policy micro-batches since then."""
         if "loss" in logs and self._index_count:
             logs["index_kl"] = self._index_sum / self._index_count
             self._index_sum, self._index_count = 0.0, 0
+        if "loss" in logs and self._policy_count:
+            logs["on_policy_kl"] = self._policy_sum / self._policy_count
+            self._policy_sum, self._policy_count = 0.0, 0
         super().log(logs, start_time)
 
     def create_optimizer(self, model=None):

@@ -184,6 +184,8 @@ def test_on_policy_scores_the_students_own_greedy_answer_against_the_teacher(wor
             assert not torch.equal(seq[start:], row[start:start + 5])  # it scored its own tokens, not the block's
     torch.testing.assert_close(loss.detach(), torch.stack(expect).mean(), rtol=1e-4, atol=1e-6)
     assert loss.requires_grad
+    trainer.log({"loss": 1.0})  # the training log line carries the on-policy loss since the last one
+    assert trainer.state.log_history[-1]["on_policy_kl"] == pytest.approx(loss.item())
     no_answer = trainer.compute_loss(model, {"input_ids": ids, "answer_mask": torch.zeros_like(mask)})
     with torch.no_grad():
         plain = distillation_loss(model(input_ids=ids).logits, teacher(input_ids=ids).logits, ids, "kd")
