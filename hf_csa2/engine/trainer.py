@@ -200,9 +200,9 @@ class DistillationTrainer(Trainer):
     restore) on which the student writes the answers itself (GKD, Agarwal et al. 2024): each block
     is cut before its last answer (:func:`last_answer_start`), the student continues it greedily for at
     most ``on_policy_tokens`` tokens (stopped at its end-of-turn), and the loss is the token KL to the
-    teacher on the written tokens alone (the context is scored on the other micro-batches). The teacher so corrects the student in the
-    states its own decoding reaches (loops, drift to the passage's topic), which the passage's answer
-    never visits. Blocks without an answer keep the usual loss; these micro-batches score every
+    teacher on the written tokens alone (the context is scored on the other micro-batches). The
+    teacher so corrects the student in the states its own decoding reaches (loops, drift to the
+    passage's topic), which the passage's answer never visits. Blocks without an answer keep the usual loss; these micro-batches score every
     position and leave out the indexer loss.
     """
 
