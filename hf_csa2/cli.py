@@ -65,6 +65,7 @@ from .publish.push import check_push_after
 from .io.output import check_output_file, check_results_dir
 from .io.sources import instruction_tuned, load_source, peek_config, resolve_source
 from .metrics.answer_check import make_probes
+from .metrics.restored_layers import scan_restored_layers
 from .metrics.retrieval_layers import scan_retrieval_layers, sufficient_far_layers
 from .metrics.kv_cache import (
     config_kv_elements_at_context,
@@ -338,6 +339,31 @@ def _eval_retrieval_layers(args) -> int:
         result["sufficient"] = {**dataclasses.asdict(found), "layers": found.layers}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+def _eval_restore_layers(args) -> int:
+    if args.distractors < 0:
+        raise InputError(f"--distractors {args.distractors}; allowed: an integer >= 0")
+    inputs = _models([args.source, args.converted]) + [("text", resolve_text(args.text))]
+    if args.json:
+        check_output_file(args.json, inputs=inputs)
+    source = _load(args.source, args)
+    converted = _load(args.converted, args)
+    if converted.tokenizer.get_vocab() != source.tokenizer.get_vocab():
+        raise InputError(f"{args.converted}: its tokenizer differs from {args.source}'s; the probes are the same token "
+                         "ids for both, so they must share one tokenizer")
+    windows = token_windows(source.tokenizer, args.text, window=args.context, max_windows=args.windows)
+    try:
+        probes = make_probes(source.tokenizer, windows, args.per_depth, seed=args.seed, distractors=args.distractors)
+    except ValueError as err:
+        raise InputError(f"--context {args.context}: {err}") from None
+    scan = scan_restored_layers(source.model, converted.model, probes)
+    print(scan.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps({"source": args.source, "converted": args.converted, "text": args.text,
+                                               "context": args.context, "distractors": args.distractors,
+                                               "seed": args.seed, "scan": scan.as_dict()}, indent=2))
     return 0
 
 
@@ -771,6 +797,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write both scans as JSON here (a file)")
     _trust_flag(p)
     p.set_defaults(func=_eval_retrieval_layers)
+
+    p = ev.add_parser("restore-layers", help="which layers' conversion costs the answers most: each layer of CONVERTED "
+                      "alone given SOURCE's attention back, the answer check (with lookalike facts) re-asked")
+    p.add_argument("source")
+    p.add_argument("converted", help="a conversion of SOURCE with the same layers (e.g. a GQA/MQA checkpoint)")
+    p.add_argument("--text", default="python-docs:heldout", help="filler text the probes are cut from")
+    p.add_argument("--context", type=_window_length, default=512, help="tokens per probe")
+    p.add_argument("--per-depth", type=_positive_int, default=10, help="probes per depth (far, near)")
+    p.add_argument("--distractors", type=int, default=3, help="lookalike facts planted beside the asked one")
+    p.add_argument("--windows", type=_positive_int, default=4, help="text windows the probes are cut from")
+    p.add_argument("--seed", type=int, default=0, help="which facts and names are drawn")
+    p.add_argument("--json", help="write the scan as JSON here (a file)")
+    _trust_flag(p)
+    p.set_defaults(func=_eval_restore_layers)
 
     p = ev.add_parser("needle", help="needle/distractor long-context capabilities, scored separately")
     p.add_argument("models", nargs="+", help="models (folders, sources or aliases) sharing one tokenizer")

@@ -70,7 +70,7 @@ def _bos(tokenizer) -> list[int]:
     return [bos] if bos is not None and with_special and with_special[0] == bos else []
 
 
-def make_probes(tokenizer, filler: torch.Tensor, per_depth: int, seed: int = 0) -> list[Probe]:
+def make_probes(tokenizer, filler: torch.Tensor, per_depth: int, seed: int = 0, distractors: int = 0) -> list[Probe]:
     """``per_depth`` far and ``per_depth`` near probes, each exactly ``T`` tokens long.
 
     Args:
@@ -78,7 +78,14 @@ def make_probes(tokenizer, filler: torch.Tensor, per_depth: int, seed: int = 0) 
         filler: LongTensor ``[M, T]`` of real text (e.g. the stage report's scoring windows);
             probe ``i`` is cut from window ``i % M``.
         per_depth: probes per depth.
+        distractors: lookalike facts planted in each probe besides the asked one: the same thing
+            of other people (each sharing the asked person's first or last name), with other
+            answers, spread evenly between 20 % and 80 % of the window. The answer then needs
+            the asked record told apart from its neighbours, not only found. The asked facts are
+            those drawn without distractors (their own random stream), so both can be compared.
     """
+    if distractors < 0:
+        raise ValueError(f"distractors={distractors}; allowed: an integer >= 0")
     rng = random.Random(seed)
     m, t = filler.shape
     bos = _bos(tokenizer)
@@ -92,15 +99,33 @@ def make_probes(tokenizer, filler: torch.Tensor, per_depth: int, seed: int = 0) 
         fact = _encode(tokenizer, f" The {thing} of {first} {last} is a {colour} {animal}. ")
         cue = _encode(tokenizer, f"\n\nThe {thing} of {first} {last} is a")
         answer = _encode(tokenizer, f" {colour} {animal}")
-        room = t - len(bos) - len(fact) - len(cue) - len(answer)
+        lookalikes = [_encode(tokenizer, f" The {thing} of {other} is a {c} {a}. ")
+                      for other, c, a in _lookalikes(random.Random(f"{seed}/{i}"), first, last, colour, animal, distractors)]
+        room = t - len(bos) - len(fact) - len(cue) - len(answer) - sum(map(len, lookalikes))
         if room < 8:
             raise ValueError(f"windows of {t} tokens are too short for the answer check (need >= "
                              f"{t - room + 8} tokens); use longer windows")
         text = filler[i // 2 % m, :room].tolist()
-        at = int(DEPTHS[depth] * room)
-        ids = bos + text[:at] + fact + text[at:] + cue + answer
+        planted = sorted([(int(DEPTHS[depth] * room), fact)] +
+                         [(int((0.2 + 0.6 * (j + 0.5) / len(lookalikes)) * room), f) for j, f in enumerate(lookalikes)],
+                         key=lambda x: x[0])
+        ids, cut = list(bos), 0
+        for at, sentence in planted:
+            ids += text[cut:at] + sentence
+            cut = at
+        ids += text[cut:] + cue + answer
         probes.append(Probe(torch.tensor(ids), answer_start=len(ids) - len(answer), answer_len=len(answer), depth=depth))
     return probes
+
+
+def _lookalikes(rng: random.Random, first: str, last: str, colour: str, animal: str, n: int) -> list[tuple[str, str, str]]:
+    """``n`` (other person, colour, animal): alternately the same first name with another last
+    name and the same last name with another first; no answer repeats the asked one."""
+    people = [f"{first} {l}" for l in rng.sample([l for l in _LAST if l != last], len(_LAST) - 1)]
+    others = [f"{f} {last}" for f in rng.sample([f for f in _FIRST if f != first], len(_FIRST) - 1)]
+    answers = [(c, a) for c in _COLOURS for a in _ANIMALS if c != colour and a != animal]
+    chosen = rng.sample(answers, n) if n <= len(answers) else [rng.choice(answers) for _ in range(n)]
+    return [((people if j % 2 == 0 else others)[j // 2 % len(people)], *chosen[j]) for j in range(n)]
 
 
 @torch.no_grad()

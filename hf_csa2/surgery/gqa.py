@@ -226,6 +226,8 @@ class GqaFitReport:
 
     def stage_notes(self) -> dict:
         notes: dict = {"init": self.plan.init}
+        if self.plan.keep_layers:
+            notes["kept_layers"] = sorted(self.plan.keep_layers)
         fits = [f for f in self.layers if f is not None]
         for key, name in (("rel_err_before", "attn_out_rel_err_before_refit"), ("rel_err_after", "attn_out_rel_err_after_refit"),
                           ("refine_heldout_err_before", "refine_heldout_err_before"),
@@ -241,7 +243,8 @@ class GqaFitReport:
 
 def apply_gqa(model, plan: GqaPlan, *, windows: torch.Tensor | None = None) -> tuple[object, GqaFitReport]:
     """Rewrite ``model`` (native or hf_csa2) so every layer has ``plan.num_key_value_heads`` KV
-    heads; returns the new model (the source is not changed) and a :class:`GqaFitReport`.
+    heads, except ``plan.keep_layers``, which stay exactly as they are; returns the new model (the
+    source is not changed) and a :class:`GqaFitReport`.
 
     ``init: mean`` needs nothing else. ``init: calibrated`` needs calibration ``windows`` [N, T]:
     layer by layer (see :mod:`~hf_csa2.surgery.layerwise`) it merges the heads with
@@ -257,6 +260,10 @@ def apply_gqa(model, plan: GqaPlan, *, windows: torch.Tensor | None = None) -> t
     specs = [dict(s) for s in (cfg.attention_layers if is_csa2(model) else native_specs(cfg))]
     rope_aware = not has_qk_norm(model)
     old_layers = decoder_layers(model)
+    keep = set(plan.keep_layers or ())
+    if keep and max(keep) >= len(old_layers):
+        raise ValueError(f"gqa.keep_layers names layer {max(keep)}; the model has {len(old_layers)} layers")
+    merged_layers = [i for i in range(len(old_layers)) if i not in keep]
     kv = plan.num_key_value_heads
 
     def merged(i, moment=None):
@@ -268,9 +275,9 @@ def apply_gqa(model, plan: GqaPlan, *, windows: torch.Tensor | None = None) -> t
         )
 
     state = dict(model.state_dict())
-    for i in range(len(old_layers)):
+    for i in merged_layers:
         state.update(merged(i).state_dict(f"model.layers.{i}.self_attn."))
-    new = to_csa2(model, [{**s, "num_key_value_heads": kv} for s in specs], state=state)
+    new = to_csa2(model, [s if i in keep else {**s, "num_key_value_heads": kv} for i, s in enumerate(specs)], state=state)
     report = GqaFitReport(plan=plan, keys_by_mean=calibrated and not rope_aware, layers=[None] * len(old_layers))
     if not calibrated:
         return new, report
@@ -278,6 +285,8 @@ def apply_gqa(model, plan: GqaPlan, *, windows: torch.Tensor | None = None) -> t
     targets = source_attention_outputs(model, windows) if plan.refit_output or plan.refine_steps else None
 
     def fit_layer(i, attn, hidden, attn_kwargs):
+        if i in keep:
+            return None
         weights = merged(i, augmented_moment(hidden)).state_dict("")
         attn.load_state_dict({**attn.state_dict(), **weights})
         fit = GqaLayerFit()

@@ -86,7 +86,7 @@ _CONFIG = CONFIG
 
 @dataclass(config=_CONFIG)
 class GqaPlan:
-    """Reduce every layer to ``num_key_value_heads`` KV heads (1 = MQA)."""
+    """Reduce every layer to ``num_key_value_heads`` KV heads (1 = MQA), or every layer but ``keep_layers``."""
 
     num_key_value_heads: Annotated[_int(1, MAX_HEADS), _doc("KV heads per layer after the merge (1 = MQA); must divide the query heads")]
     init: Annotated[Literal[GQA_INITS], _doc("\"calibrated\": RoPE-aware weighted PCA merge; \"mean\": Ainslie et al. mean-pooling")] = "calibrated"
@@ -94,10 +94,16 @@ class GqaPlan:
     ridge: Annotated[_number(MAX_RIDGE), _doc("refit regularisation toward the merged o_proj, relative to mean diag(A^T A)")] = 0.3
     refine_steps: Annotated[_int(0, MAX_STEPS), _doc("with \"calibrated\": then Adam steps per layer on its output error (q/k/v/o; best state on held-out windows kept)")] = 0
     refine_lr: Annotated[_number(1.0), _doc("Adam learning rate of refine_steps")] = 1e-4
+    keep_layers: Annotated[Optional[Annotated[list[_int(0, MAX_HEADS)], Field(min_length=1, max_length=MAX_HEADS)]], _doc(
+        "layers (0-based) left with the source's KV heads, unmerged (a mixed plan: the layers whose merge costs most; "
+        "the result is an hf_csa2 checkpoint, not a native one); None: every layer merged")] = None
 
     def __post_init__(self):
         if self.refine_steps and self.init != "calibrated":
             raise PlanError("gqa.refine_steps needs init: calibrated (mean is the calibration-free baseline)")
+        if self.keep_layers is not None and len(set(self.keep_layers)) != len(self.keep_layers):
+            repeated = sorted({i for i in self.keep_layers if self.keep_layers.count(i) > 1})
+            raise PlanError(f"gqa.keep_layers repeats layer(s) {repeated}; allowed: each layer index once")
 
 
 @dataclass(config=_CONFIG)
@@ -365,6 +371,10 @@ class ConversionPlan:
             self._validate_refine(name)
         if self.csa2 is not None:
             self._validate_csa2()
+        if self.gqa is not None and self.gqa.keep_layers and (self.mla is not None or self.csa2 is not None):
+            raise PlanError("gqa.keep_layers (layers with other KV heads than the rest) cannot be combined with mla or "
+                            "csa2, which need one KV geometry for every layer; allowed: keep_layers with gqa (+ sinks, "
+                            "distill) only, or null")
         if self.distill is not None:
             self._validate_distill()
 
@@ -407,6 +417,10 @@ class ConversionPlan:
                 f"gqa.num_key_value_heads={self.gqa.num_key_value_heads} does not divide the model's "
                 f"{num_q} query heads; allowed: {divisors}"
             )
+        keep = self.gqa.keep_layers if self.gqa is not None else None
+        if keep and max(keep) >= config.num_hidden_layers:
+            raise PlanError(f"gqa.keep_layers names layer {max(keep)}; the model has {config.num_hidden_layers} layers; "
+                            f"allowed: 0..{config.num_hidden_layers - 1}")
         if self.mla is not None:
             self._validate_mla_for(config)
         if self.csa2 is not None:

@@ -96,3 +96,31 @@ def test_a_local_window_loses_the_far_facts_and_keeps_the_near_ones(smollm2):
     full, windowed = answer_check(smollm2.model, probes), answer_check(local, probes)
     assert full.far >= 5 and full.near >= 5, full
     assert windowed.far <= 1 and windowed.near >= 5, windowed
+
+
+def test_distractors_are_lookalikes_of_the_asked_fact_with_other_answers():
+    tok = tiny_tokenizer()
+    probes = make_probes(tok, filler(tok, t=600), per_depth=2, seed=3, distractors=3)
+    plain = make_probes(tok, filler(tok, t=600), per_depth=2, seed=3)
+    for p, q in zip(probes, plain):
+        assert p.ids.shape == (600,) and tok.decode(p.ids[p.answer_start:]) == tok.decode(q.ids[q.answer_start:])
+        text = tok.decode(p.ids)
+        cue = text.rsplit("\n\n", 1)[1]
+        answer = tok.decode(p.ids[p.answer_start:])
+        thing, person = cue[len("The "):].split(" of ", 1)
+        first, last = person[: -len(answer) - len(" is a")].split()
+        facts = [s for s in text.rsplit("\n\n", 1)[0].split(". ") if f"The {thing} of " in s]
+        assert len(facts) == 4, facts  # the asked fact and three lookalikes
+        others = [f for f in facts if f"{first} {last} is" not in f]
+        assert len(others) == 3
+        # each lookalike shares a first or last name and has another colour and animal
+        assert all((f" {first} " in f) != (f" {last} " in f) for f in others), others
+        colour, animal = answer.split()
+        assert all(colour not in f and animal not in f for f in others), others
+        where = {f: text.index(f) for f in facts}
+        asked = where[next(f for f in facts if f not in others)]
+        assert (asked < min(where[f] for f in others)) == (p.depth == "far")
+    with pytest.raises(ValueError, match="distractors=-1; allowed"):
+        make_probes(tok, filler(tok), per_depth=1, distractors=-1)
+    with pytest.raises(ValueError, match="too short"):
+        make_probes(tok, filler(tok, t=120), per_depth=1, distractors=3)

@@ -146,3 +146,35 @@ def test_rope_aware_fold_is_exact_when_heads_are_complex_multiples(seed, p, t):
         s_old = rope(q_old, p) @ rope(k_old, t)
         s_new = rope(q_new, p) @ rope(k_new, t)
         assert abs(s_old - s_new) < 1e-8 * (1 + abs(s_old))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kept_layers_stay_the_source_and_the_others_merge(arch):
+    """``keep_layers``: those layers keep the source's KV heads and weights exactly; the others
+    are merged as in a plain conversion. Keeping every layer reproduces the source."""
+    src = tiny_model(arch, num_layers=3)
+    ids, x = calib_ids(8, 32), calib_ids(2, 20, seed=3)
+    kv = src.config.num_key_value_heads
+    mixed, report = apply_gqa(src, GqaPlan(num_key_value_heads=1, keep_layers=[1]), windows=ids)
+    assert [spec["num_key_value_heads"] for spec in mixed.config.attention_layers] == [1, kv, 1]
+    assert report.layers[1] is None and report.layers[0] is not None and report.stage_notes()["kept_layers"] == [1]
+    kept, source = mixed.model.layers[1].self_attn.state_dict(), src.model.layers[1].self_attn.state_dict()
+    assert kept.keys() == source.keys()
+    for name in source:
+        torch.testing.assert_close(kept[name], source[name], atol=0, rtol=0)
+    assert mixed.model.layers[0].self_attn.k_proj.weight.shape[0] == 12  # one KV head of head_dim 12
+    everything, _ = apply_gqa(src, GqaPlan(num_key_value_heads=1, keep_layers=[0, 1, 2]), windows=ids)
+    torch.testing.assert_close(everything(x).logits, src(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_keep_layers_are_checked():
+    from hf_csa2.surgery.plan import ConversionPlan, PlanError
+
+    with pytest.raises(PlanError, match=r"repeats layer\(s\) \[2\]"):
+        ConversionPlan.from_dict({"gqa": {"num_key_value_heads": 1, "keep_layers": [2, 0, 2]}})
+    with pytest.raises(PlanError, match="cannot be combined with mla or csa2"):
+        ConversionPlan.from_dict({"gqa": {"num_key_value_heads": 1, "keep_layers": [0]},
+                                  "mla": {"kv_lora_rank": 8, "qk_rope_head_dim": 4}})
+    plan = ConversionPlan.from_dict({"gqa": {"num_key_value_heads": 1, "keep_layers": [0, 3]}})
+    with pytest.raises(PlanError, match=r"gqa.keep_layers names layer 3; the model has 2 layers; allowed: 0..1"):
+        plan.validate_for(tiny_model("llama").config)

@@ -55,6 +55,25 @@ def test_gqa_only_output_is_native_architecture(tmp_path, text_file):
     del src
 
 
+def test_gqa_with_kept_layers_is_an_hf_csa2_checkpoint_with_their_kv_heads(tmp_path, text_file):
+    """A mixed plan (gqa.keep_layers) cannot be a native Llama (one KV head count for all
+    layers): it is saved in the hf_csa2 format, loads by remote code, and its KV cost counts the
+    kept layers at the source's heads."""
+    save_tiny_source("llama", tmp_path / "src", num_layers=3)
+    out = tmp_path / "out"
+    plan = plan_with(text_file, gqa={"num_key_value_heads": 1, "keep_layers": [2]})
+    result = convert(str(tmp_path / "src"), plan, out_dir=out, log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "hf_csa2" and "auto_map" in config
+    assert [layer["num_key_value_heads"] for layer in config["attention_layers"]] == [1, 1, 2]
+    report = json.loads((out / "conversion_report.json").read_text())
+    assert report["stages"][1]["kv_elements_per_token"] == (1 + 1 + 2) * 12 * 2
+    assert report["stages"][1]["notes"]["kept_layers"] == [2]
+    reloaded = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    x = torch.randint(4, 100, (1, 12))
+    torch.testing.assert_close(reloaded(x).logits, result.model(x).logits, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
 def test_sinks_only_conversion_keeps_logits(tmp_path, text_file, arch):
     src = save_tiny_source(arch, tmp_path / "src")
