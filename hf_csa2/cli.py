@@ -367,6 +367,14 @@ def _eval_restore_layers(args) -> int:
     return 0
 
 
+def _probe_arguments(p, *, text: str, per_depth_help: str, windows: int) -> None:
+    """The answer-check probe options shared by the layer scans: filler text, probe length, count."""
+    p.add_argument("--text", default=text, help="filler text the probes are cut from")
+    p.add_argument("--context", type=_window_length, default=512, help="tokens per probe")
+    p.add_argument("--per-depth", type=_positive_int, default=10, help=per_depth_help)
+    p.add_argument("--windows", type=_positive_int, default=windows, help="text windows the probes are cut from")
+
+
 def _prompt_style(tokenizer, requested: str, model: str) -> str:
     """The needle prompt style for ``model`` (``--prompt-style``; auto: chat for an instruction-tuned
     model with a chat template, completion for a base model), logged with the reason."""
@@ -784,12 +792,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = ev.add_parser("retrieval-layers", help="which layers read facts back from far in the prompt: each layer "
                       "alone cut to a window, far answers re-asked (and with --sufficient, the layers that must read far)")
     p.add_argument("model")
-    p.add_argument("--text", default="python-docs:heldout", help="filler text the probes are cut from")
-    p.add_argument("--context", type=_window_length, default=512, help="tokens per probe")
+    _probe_arguments(p, text="python-docs:heldout", per_depth_help="far probes", windows=3)
     p.add_argument("--window", type=_positive_int, default=128, help="tokens a cut layer still reads before each query")
     p.add_argument("--sink-tokens", type=int, default=4, help="first tokens a cut layer still reads (as a CSA2 swa layer)")
-    p.add_argument("--per-depth", type=_positive_int, default=10, help="far probes")
-    p.add_argument("--windows", type=_positive_int, default=3, help="text windows the probes are cut from")
     p.add_argument("--drop", type=float, default=0.5, help="share of the far answers a cut must lose (retrieval layer)")
     p.add_argument("--sufficient", action="store_true", help="then cut every layer and give far reads back greedily "
                    "until --keep of the far answers return")
@@ -802,11 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "alone given SOURCE's attention back, the answer check (with lookalike facts) re-asked")
     p.add_argument("source")
     p.add_argument("converted", help="a conversion of SOURCE with the same layers (e.g. a GQA/MQA checkpoint)")
-    p.add_argument("--text", default="python-docs:heldout", help="filler text the probes are cut from")
-    p.add_argument("--context", type=_window_length, default=512, help="tokens per probe")
-    p.add_argument("--per-depth", type=_positive_int, default=10, help="probes per depth (far, near)")
+    _probe_arguments(p, text="python-docs:calib", per_depth_help="probes per depth (far, near)", windows=4)
     p.add_argument("--distractors", type=int, default=3, help="lookalike facts planted beside the asked one")
-    p.add_argument("--windows", type=_positive_int, default=4, help="text windows the probes are cut from")
     p.add_argument("--seed", type=int, default=0, help="which facts and names are drawn")
     p.add_argument("--json", help="write the scan as JSON here (a file)")
     _trust_flag(p)
